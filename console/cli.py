@@ -1,0 +1,354 @@
+"""The `pagedserve` command line (click).
+
+Every engine and server key can be a flag; its value comes from, in order: the flag, the environment
+variable PAGEDSERVE_<KEY>, the config file (fed to click as `ctx.default_map`, so `--help` shows file
+values as defaults), the built-in default. Engine internals (torch) are imported inside the commands
+that need them, so `pagedserve --help` and the config commands start fast.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+from engine import config as cfg
+from engine.request import SamplingError, SamplingParams
+
+ENV_PREFIX = "PAGEDSERVE_"
+COMMON_ENGINE_FLAGS = ("model", "dtype", "device", "max_concurrency", "kv_pool_tokens", "block_size",
+                       "max_model_len", "compile", "threads")
+_CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, bool: click.BOOL}
+
+
+class ConfigProblem(click.ClickException):
+    """A ConfigError (or bad sampling value) shown as `Error: ...`, exit status 2, no traceback."""
+
+    exit_code = 2
+
+
+class KeyOption(click.Option):
+    """An option that sets config key `self.name` of the dataclass `section` (EngineConfig, ServerConfig)."""
+
+    def __init__(self, *args: Any, section: type, **kwargs: Any):
+        super().__init__(*args, callback=self._check, **kwargs)
+        self.section = section
+
+    def _check(self, ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        # ranges live in engine.config (one source); click only converted the text to the key's type
+        problems = cfg.section_problems(self.section, {self.name: value})
+        if problems:
+            raise click.BadParameter(problems[0], ctx=ctx, param=param)
+        return value
+
+
+def _key_option(section: type, f: dataclasses.Field, hidden: bool):
+    default = cfg.default_of(f)
+    flag = "--" + f.name.replace("_", "-")
+    decls = [f"{flag}/--no-{flag[2:]}" if isinstance(default, bool) else flag, f.name]
+    choices = f.metadata["choices"]
+    return click.option(
+        *decls, cls=KeyOption, section=section, default=default, show_default=True,
+        type=click.Choice(choices) if choices else _CLICK_TYPES[type(default)],
+        envvar=ENV_PREFIX + f.name.upper(), show_envvar=True, hidden=hidden, help=f.metadata["help"],
+    )
+
+
+def key_options(section: type, visible: tuple[str, ...] | None = None):
+    """One KeyOption per key of `section`; keys outside `visible` still work but stay out of --help."""
+    def decorate(command):
+        for f in reversed(dataclasses.fields(section)):
+            command = _key_option(section, f, hidden=visible is not None and f.name not in visible)(command)
+        return command
+    return decorate
+
+
+def section_values(ctx: click.Context, section: type) -> dict[str, Any]:
+    return {f.name: ctx.params[f.name] for f in dataclasses.fields(section)}
+
+
+@dataclasses.dataclass
+class ConfigFile:
+    """The config file in use. A broken file does not stop `config path/validate/set/init`; the
+    commands that need its values call `require()`."""
+
+    path: Path | None
+    config: cfg.Config
+    values: dict[str, Any]  # the keys the file sets, by flag name, validated
+    error: cfg.ConfigError | None = None
+
+    @classmethod
+    def discover(cls, explicit: Path | None) -> ConfigFile:
+        path = cfg.find_config_file(explicit)
+        if path is None:
+            return cls(None, cfg.Config(), {})
+        try:
+            data = cfg.read_toml(path)
+            config = cfg.config_from_dict(data, str(path))
+        except cfg.ConfigError as e:
+            return cls(path, cfg.Config(), {}, e)
+        values = {k: getattr(config.engine, k) for k in data if k not in cfg.TABLES}
+        values |= {k: getattr(config.server, k) for k in data.get("server", {})}
+        return cls(path, config, values)
+
+    def require(self) -> cfg.Config:
+        if self.error is not None:
+            raise self.error
+        return self.config
+
+
+def _default_map(group: click.Group, values: dict[str, Any]) -> dict[str, Any]:
+    """click's default_map for every command under `group`: each KeyOption's value from the file."""
+    result: dict[str, Any] = {}
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            result[name] = _default_map(command, values)
+        else:
+            result[name] = {p.name: values[p.name] for p in command.params
+                            if isinstance(p, KeyOption) and p.name in values}
+    return result
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (cfg.ConfigError, SamplingError) as e:
+            raise ConfigProblem(str(e)) from None
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+              envvar=ENV_PREFIX + "CONFIG", show_envvar=True,
+              help="Config file to use (default: ./config.toml if present, else the user config file).")
+@click.pass_context
+def main(ctx: click.Context, config_file: Path | None) -> None:
+    """pagedserve: serve Qwen-family models to many users at once."""
+    ctx.obj = ConfigFile.discover(config_file)
+    ctx.default_map = _default_map(main, ctx.obj.values)
+
+
+@main.command()
+def version() -> None:
+    """Print the pagedserve version."""
+    click.echo(f"pagedserve {importlib.metadata.version('pagedserve')}")
+
+
+@main.group("config")
+def config_group() -> None:
+    """Show, check and change the configuration."""
+
+
+@config_group.command("path")
+@click.pass_obj
+def config_path(state: ConfigFile) -> None:
+    """Print the config file in use."""
+    if state.path is None:
+        click.echo(f"{cfg.user_config_path()} (not created yet: built-in defaults in use)")
+    else:
+        click.echo(state.path)
+
+
+def _source(ctx: click.Context, param: KeyOption, file: Path | None) -> str:
+    source = ctx.get_parameter_source(param.name)
+    if source is ParameterSource.COMMANDLINE:
+        return f"flag {param.opts[0]}"
+    if source is ParameterSource.ENVIRONMENT:
+        return f"env {param.envvar}"
+    if source is ParameterSource.DEFAULT_MAP:
+        return f"file {file}"
+    return "default"
+
+
+@config_group.command("show")
+@click.option("--sources", is_flag=True, help="Also say where each value came from: flag, env, file or default.")
+@key_options(cfg.EngineConfig)
+@key_options(cfg.ServerConfig)
+@click.pass_context
+def config_show(ctx: click.Context, sources: bool, **_keys: Any) -> None:
+    """Print every key with the value a command would use (flags given here count too)."""
+    state: ConfigFile = ctx.obj
+    config = state.require()
+
+    def line(name: str, value: Any, source: str) -> str:
+        return f"{name} = {cfg.toml_literal(value)}" + (f"  # {source}" if sources else "")
+
+    params = [p for p in ctx.command.params if isinstance(p, KeyOption)]
+    for section, header in ((cfg.EngineConfig, None), (cfg.ServerConfig, "[server]")):
+        if header:
+            click.echo(f"\n{header}")
+        for p in params:
+            if p.section is section:
+                click.echo(line(p.name, ctx.params[p.name], _source(ctx, p, state.path)))
+    click.echo("\n[console.keys]")
+    for binding, key in config.console.keys.items():
+        click.echo(line(binding, key, f"file {state.path}"))
+
+
+@config_group.command("get")
+@click.argument("key")
+@click.pass_context
+def config_get(ctx: click.Context, key: str) -> None:
+    """Print one key's value (tables dotted: server.port, console.keys.quit)."""
+    path = cfg.key_path(key)
+    state: ConfigFile = ctx.obj
+    config = state.require()
+    if path[0] == "console":
+        value: Any = config.console.keys
+        if len(path) == 3:
+            if path[2] not in value:
+                raise cfg.ConfigError([f"{key} is not set (the console uses its default binding)"])
+            value = value[path[2]]
+    else:  # resolve env, file and default exactly as `config show` does
+        with config_show.make_context("show", [], parent=ctx.parent) as show_ctx:
+            value = show_ctx.params[path[-1]]
+    click.echo(value if isinstance(value, str) else cfg.toml_literal(value))
+
+
+@config_group.command("set")
+@click.argument("key")
+@click.argument("value")
+@click.pass_obj
+def config_set(state: ConfigFile, key: str, value: str) -> None:
+    """Set KEY to VALUE in the config file in use (the user config file is created if there is none).
+
+    Comments and layout of the file are kept. The file is only written if the change adds no problem."""
+    target = state.path or cfg.user_config_path()
+    typed = cfg.set_in_file(target, key, value)
+    click.echo(f"{key} = {cfg.toml_literal(typed)} (written to {target})")
+
+
+@config_group.command("validate")
+@click.argument("file", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.pass_obj
+def config_validate(state: ConfigFile, file: Path | None) -> None:
+    """Check FILE (default: the file in use) and list every problem; exit status 1 if there are any."""
+    file = file or state.path
+    if file is None:
+        click.echo("no config file: built-in defaults in use")
+        return
+    try:
+        cfg.load_config(file)
+    except cfg.ConfigError as e:
+        click.echo(f"{file}: {len(e.problems)} problem{'s' if len(e.problems) > 1 else ''}")
+        for problem in e.problems:
+            click.echo(f"  {problem}")
+        raise click.exceptions.Exit(1) from None
+    click.echo(f"{file}: valid")
+
+
+@config_group.command("init")
+@click.option("--force", is_flag=True, help="Overwrite an existing user config file.")
+def config_init(force: bool) -> None:
+    """Write the commented default config to the user config file."""
+    target = cfg.user_config_path()
+    if target.exists() and not force:
+        raise click.ClickException(f"{target} already exists; pass --force to overwrite it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(cfg.default_config_text(), encoding="utf-8")
+    click.echo(f"wrote {target}")
+
+
+def sampling_options(command):
+    for decorator in reversed((
+        click.option("--max-tokens", type=int, default=SamplingParams.max_tokens, show_default=True,
+                     help="Most tokens to generate per answer."),
+        click.option("--temperature", type=float, default=SamplingParams.temperature, show_default=True,
+                     help="Sampling temperature; 0 = greedy."),
+        click.option("--seed", type=int, default=None, help="Seed for reproducible sampling."),
+    )):
+        command = decorator(command)
+    return command
+
+
+def _make_llm(ctx: click.Context):
+    ctx.obj.require()  # a broken config file fails before torch is loaded
+    from engine import LLM  # loads torch: only commands that run a model get here
+    return LLM(**section_values(ctx, cfg.EngineConfig))
+
+
+@main.command()
+@click.option("--prompt", required=True, help="The prompt text.")
+@sampling_options
+@key_options(cfg.EngineConfig, visible=COMMON_ENGINE_FLAGS)
+@click.pass_context
+def generate(ctx: click.Context, prompt: str, max_tokens: int, temperature: float, seed: int | None,
+             **_keys: Any) -> None:
+    """Generate a completion of --prompt and print it."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    llm = _make_llm(ctx)
+    click.echo(llm.generate([prompt], params)[0].text)
+
+
+@main.command()
+@sampling_options
+@key_options(cfg.EngineConfig, visible=COMMON_ENGINE_FLAGS)
+@click.pass_context
+def chat(ctx: click.Context, max_tokens: int, temperature: float, seed: int | None, **_keys: Any) -> None:
+    """Chat line by line on stdin (`/exit` or end of input quits)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    llm = _make_llm(ctx)
+    messages: list[dict[str, str]] = []
+    while True:
+        click.echo("> ", nl=False)
+        line = sys.stdin.readline()
+        if not line:
+            click.echo()
+            return
+        text = line.strip()
+        if text == "/exit":
+            return
+        if not text:
+            continue
+        messages.append({"role": "user", "content": text})
+        reply = llm.chat(messages, params).text
+        messages.append({"role": "assistant", "content": reply})
+        click.echo(reply)
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+@main.command()
+def models() -> None:
+    """List the model presets (use a name as --model; `pagedserve pull NAME` downloads one)."""
+    from engine.loading.presets import list_presets
+    rows = [(p.name, _size(p.size_bytes), "yes" if p.pulled else "no", p.description) for p in list_presets()]
+    width = max([len("NAME")] + [len(r[0]) for r in rows])
+    click.echo(f"{'NAME':<{width}}  {'SIZE':>10}  PULLED  DESCRIPTION")
+    for name, size, pulled, description in rows:
+        click.echo(f"{name:<{width}}  {size:>10}  {pulled:<6}  {description}")
+
+
+@main.command()
+@click.argument("name")
+def pull(name: str) -> None:
+    """Download model preset NAME into the cache (resumes an interrupted download)."""
+    from engine.loading import presets
+    with contextlib.ExitStack() as stack:
+        bar = None
+        shown = 0
+
+        def progress(done: int, total: int) -> None:
+            nonlocal bar, shown
+            if bar is None:  # the total is known only once the pull starts
+                bar = stack.enter_context(click.progressbar(length=total, label=f"pulling {name}"))
+            bar.update(done - shown)
+            shown = done
+
+        try:
+            path = presets.pull(name, progress=progress)
+        except presets.PullError as e:
+            raise click.ClickException(str(e)) from None
+    click.echo(f"{name}: {path}")

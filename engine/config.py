@@ -1,0 +1,351 @@
+"""pagedserve's configuration: typed dataclasses, the one source of defaults, loaded from TOML.
+
+No torch here: the CLI reads and validates configs without loading the engine. Validation collects
+every problem (so `pagedserve config validate` can list them all) and each problem names the key, the
+value and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+import tomlkit
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the project runs 3.11, pyproject still admits 3.10
+    import tomli as tomllib
+
+TABLES = ("server", "console")
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems; `.problems` lists them, `.source` names the file (or None)."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        prefix = f"{source}: " if source else ""
+        if len(self.problems) == 1:
+            message = prefix + self.problems[0]
+        else:
+            message = f"{prefix}{len(self.problems)} problems:\n" + "\n".join(f"  {p}" for p in self.problems)
+        super().__init__(message)
+
+
+def _key(default: Any, allowed: str, check: Callable[[Any], bool], help: str, choices: tuple = ()) -> Any:
+    """A config key: its default (whose type is the key's type), the check, and the words for both."""
+    metadata = {"allowed": allowed, "check": check, "help": help, "choices": choices}
+    if isinstance(default, dict):  # a mutable default must be a factory
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _choice(default: str, choices: tuple[str, ...], help: str) -> Any:
+    allowed = "one of " + ", ".join(f'"{c}"' for c in choices)
+    return _key(default, allowed, lambda v: v in choices, help, choices)
+
+
+def _power_of_two_in(lo: int, hi: int) -> Callable[[int], bool]:
+    return lambda v: lo <= v <= hi and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = _key("qwen2.5-coder-1.5b", "a non-empty string: a preset name, a checkpoint dir or a .gguf file",
+                      bool, "the model to serve: a preset name (`pagedserve models`), a Hugging Face checkpoint dir or a .gguf file")
+    dtype: str = _choice("auto", ("auto", "bfloat16", "float32", "float16"),
+                         "weights and activations dtype; auto = bfloat16 on CPU (fp16 has no fast CPU path)")
+    device: str = _choice("auto", ("auto", "cpu", "cuda"), "where to run; auto = cuda when a GPU is visible, else cpu")
+    max_concurrency: int = _key(8, "an integer >= 1", lambda v: v >= 1,
+                                "most requests decoded at once (rows per step)")
+    kv_pool_tokens: int = _key(0, "an integer >= 0 (0 = sized from free memory)", lambda v: v >= 0,
+                               "K/V cache size in tokens, all requests together; 0 = sized from free memory")
+    block_size: int = _key(16, "a power of two between 8 and 256", _power_of_two_in(8, 256),
+                           "tokens per K/V cache block")
+    max_model_len: int = _key(0, "an integer >= 0 (0 = the model's own limit)", lambda v: v >= 0,
+                              "longest prompt + output in tokens; 0 = the model's own limit")
+    compile: bool = _key(False, "true or false", lambda v: True, "run the model under torch.compile")
+    threads: int = _key(0, "an integer >= 0 (0 = all cores)", lambda v: v >= 0, "CPU threads for torch; 0 = all cores")
+    max_waiting: int = _key(256, "an integer >= 1", lambda v: v >= 1,
+                            "most requests queued before the server answers 503")
+    client_max_lag_tokens: int = _key(1024, "an integer >= 1", lambda v: v >= 1,
+                                      "a consumer this many tokens behind pauses its own request")
+    client_timeout_s: float = _key(60.0, "a number > 0 (seconds)", lambda v: v > 0,
+                                   "a consumer stalled this many seconds is cancelled")
+
+    def __post_init__(self) -> None:
+        _validate_instance(self)
+
+    def replace(self, **overrides: Any) -> EngineConfig:
+        """A copy with `overrides` applied; unknown names and bad values raise ConfigError."""
+        return _replace_checked(self, overrides)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = _key("127.0.0.1", "a non-empty host name or address", bool, "address the HTTP server listens on")
+    port: int = _key(8000, "an integer between 1 and 65535", lambda v: 1 <= v <= 65535, "TCP port of the HTTP server")
+    api_key: str = _key("", "a string (empty = no key)", lambda v: True,
+                        "clients must send `Authorization: Bearer <api_key>`; empty = no authentication")
+    max_body_bytes: int = _key(1048576, "an integer >= 1", lambda v: v >= 1, "largest request body accepted")
+
+    def __post_init__(self) -> None:
+        _validate_instance(self)
+
+
+@dataclass(frozen=True)
+class ConsoleConfig:
+    keys: dict = _key({}, 'a table of binding id = key string, e.g. quit = "ctrl+q"', lambda v: True,
+                      'key bindings: binding id = key string, e.g. quit = "ctrl+q"; unset ids keep their defaults')
+
+    def __post_init__(self) -> None:
+        _validate_instance(self)
+
+
+@dataclass(frozen=True)
+class Config:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    console: ConsoleConfig = field(default_factory=ConsoleConfig)
+
+
+TABLE_CLASSES: dict[str, type] = {"server": ServerConfig, "console": ConsoleConfig}
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def toml_literal(value: Any) -> str:
+    """`value` as it would be written in a TOML file (for messages and `config show`)."""
+    if isinstance(value, Mapping):
+        return "{ " + ", ".join(f"{k} = {toml_literal(v)}" for k, v in value.items()) + " }"
+    try:
+        return tomlkit.item(value).as_string()
+    except (TypeError, ValueError):  # not a TOML value at all, e.g. None passed as a keyword
+        return repr(value)
+
+
+def _unknown(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1)
+    if close:
+        return f"unknown key '{name}'; did you mean '{close[0]}'?"
+    return f"unknown key '{name}'; the keys are: {', '.join(candidates)}"
+
+
+def _value_problems(f: dataclasses.Field, value: Any, name: str) -> list[str]:
+    kind = type(default_of(f))
+    if kind is float:  # TOML and callers write 60 for 60.0
+        typed = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:  # bool is an int subclass: `max_concurrency = true` must not pass
+        typed = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if kind is dict and typed:
+        return [f'{name}.{k} = {toml_literal(v)}: must be a non-empty key string such as "ctrl+q"'
+                for k, v in value.items() if not (isinstance(v, str) and v)]
+    if typed and f.metadata["check"](value):
+        return []
+    return [f"{name} = {toml_literal(value)}: must be {f.metadata['allowed']}"]
+
+
+def section_problems(cls: type, values: Mapping[str, Any], prefix: str = "", extra: tuple[str, ...] = ()) -> list[str]:
+    """Every problem of `values` for the dataclass `cls`: unknown keys (with did-you-mean among the keys
+    and `extra` names) and bad values. `prefix` ("server.") makes the messages name the dotted key."""
+    names = [f.name for f in fields(cls)]
+    candidates = [prefix + n for n in (*names, *extra)]
+    problems = [_unknown(prefix + k, candidates) for k in values if k not in names and k not in extra]
+    for f in fields(cls):
+        if f.name in values:
+            problems += _value_problems(f, values[f.name], prefix + f.name)
+    return problems
+
+
+def _normalized(value: Any) -> Any:
+    # tomlkit hands out str/int/dict subclasses; store plain values so configs compare and print plainly
+    if isinstance(value, Mapping):
+        return {str(k): _normalized(v) for k, v in value.items()}
+    for kind in (bool, int, float, str):
+        if isinstance(value, kind):
+            return kind(value)
+    return value
+
+
+def _validate_instance(obj: Any) -> None:
+    problems = section_problems(type(obj), {f.name: getattr(obj, f.name) for f in fields(obj)})
+    if problems:
+        raise ConfigError(problems)
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if type(default_of(f)) is float:
+            value = float(value)
+        object.__setattr__(obj, f.name, _normalized(value))
+
+
+def _replace_checked(obj: Any, overrides: Mapping[str, Any]) -> Any:
+    problems = section_problems(type(obj), overrides)
+    if problems:
+        raise ConfigError(problems)
+    return dataclasses.replace(obj, **overrides)
+
+
+def make_engine_config(**kwargs: Any) -> EngineConfig:
+    """The engine config for `LLM(model=..., **kwargs)`: defaults with every given key applied."""
+    return EngineConfig().replace(**kwargs)
+
+
+def config_from_dict(data: Mapping[str, Any], source: str | None = None) -> Config:
+    """Validate a parsed TOML document; raise one ConfigError listing every problem."""
+    top = {k: v for k, v in data.items() if k not in TABLES}
+    problems = section_problems(EngineConfig, top, extra=TABLES)
+    tables = {}
+    for table, cls in TABLE_CLASSES.items():
+        values = data.get(table, {})
+        if not isinstance(values, Mapping):
+            problems.append(f"{table} = {toml_literal(values)}: must be a table ([{table}])")
+            continue
+        problems += section_problems(cls, values, prefix=f"{table}.")
+        tables[table] = values
+    if problems:
+        raise ConfigError(problems, source)
+    return Config(EngineConfig(**top), ServerConfig(**tables["server"]), ConsoleConfig(**tables["console"]))
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The parsed file; a missing, unreadable or malformed file raises ConfigError naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(["no such file"], str(path)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError([f"cannot read it: {e}"], str(path)) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError([f"not valid TOML: {e}"], str(path)) from None
+
+
+def load_config(path: str | Path | None = None) -> Config:
+    """The config in `path`, or the built-in defaults for None."""
+    if path is None:
+        return Config()
+    return config_from_dict(read_toml(path), str(path))
+
+
+def user_config_path() -> Path:
+    return Path(platformdirs.user_config_dir("pagedserve")) / "config.toml"
+
+
+def find_config_file(explicit: str | Path | None = None, cwd: Path | None = None) -> Path | None:
+    """The file in use: `explicit` (--config), else ./config.toml if present, else the user config
+    file if present, else None (built-in defaults)."""
+    if explicit is not None:
+        return Path(explicit)
+    local = (cwd or Path.cwd()) / "config.toml"
+    if local.is_file():
+        return local
+    user = user_config_path()
+    return user if user.is_file() else None
+
+
+def dotted_keys() -> list[str]:
+    """Every settable key, tables dotted: `max_concurrency`, `server.port`, `console.keys`."""
+    keys = [f.name for f in fields(EngineConfig)]
+    for table, cls in TABLE_CLASSES.items():
+        keys += [f"{table}.{f.name}" for f in fields(cls)]
+    return keys
+
+
+def key_path(dotted: str) -> tuple[str, ...]:
+    """`server.port` -> ("server", "port"); `console.keys.quit` -> ("console", "keys", "quit").
+    Unknown keys raise ConfigError with a did-you-mean."""
+    if dotted.startswith("console.keys.") and len(dotted) > len("console.keys."):
+        return ("console", "keys", dotted[len("console.keys."):])
+    if dotted not in dotted_keys():
+        raise ConfigError([_unknown(dotted, dotted_keys())])
+    return tuple(dotted.split("."))
+
+
+def _field_at(path: tuple[str, ...]) -> dataclasses.Field:
+    cls = TABLE_CLASSES[path[0]] if len(path) > 1 else EngineConfig
+    return cls.__dataclass_fields__[path[-1] if len(path) < 3 else path[1]]
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def parse_value(dotted: str, text: str) -> Any:
+    """The text of `config set KEY VALUE` as the key's type (range checks happen in validation)."""
+    path = key_path(dotted)
+    if len(path) == 3:
+        return text
+    f = _field_at(path)
+    kind = type(default_of(f))
+    problem = ConfigError([f"{dotted} = {toml_literal(text)}: must be {f.metadata['allowed']}"])
+    if kind is dict:
+        raise ConfigError([f"{dotted} is a table: set one binding with `config set {dotted}.<id> KEY`"])
+    if kind is bool:
+        if text.lower() not in _TRUE + _FALSE:
+            raise problem
+        return text.lower() in _TRUE
+    try:
+        return kind(text)
+    except ValueError:
+        raise problem from None
+
+
+def _problems(data: Mapping[str, Any]) -> list[str]:
+    try:
+        config_from_dict(data)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+def set_in_file(path: Path, dotted: str, text: str) -> Any:
+    """Set key `dotted` to the value written `text` in the TOML file `path`, keeping its comments and
+    layout; a missing file starts as the commented default. Writes nothing (and raises ConfigError) if
+    the change adds a problem; problems the file already had do not block it. Returns the typed value."""
+    key = key_path(dotted)
+    value = parse_value(dotted, text)
+    try:
+        doc = tomlkit.parse(path.read_text(encoding="utf-8") if path.is_file() else default_config_text())
+    except tomlkit.exceptions.ParseError as e:
+        raise ConfigError([f"not valid TOML, fix it by hand first: {e}"], str(path)) from None
+    before = _problems(doc.unwrap())
+    container: Any = doc
+    for part in key[:-1]:
+        if part not in container:
+            container[part] = tomlkit.table()
+        container = container[part]
+    container[key[-1]] = value
+    added = [p for p in _problems(doc.unwrap()) if p not in before]
+    if added:
+        raise ConfigError(added, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomlkit.dumps(doc), encoding="utf-8")
+    return value
+
+
+_HEADER = """\
+# pagedserve configuration. Every key is optional: a missing key keeps its built-in default.
+# Precedence: command-line flag > environment variable PAGEDSERVE_<KEY> > this file > built-in default.
+# Check a file with `pagedserve config validate FILE`; change a key with `pagedserve config set KEY VALUE`.
+"""
+
+
+def default_config_text() -> str:
+    """The commented default config (the shipped config.toml and what `config init` writes)."""
+    lines = [_HEADER]
+    for f in fields(EngineConfig):
+        lines += [f"# {f.metadata['help']}", f"{f.name} = {toml_literal(default_of(f))}", ""]
+    lines.append("[server]")
+    for f in fields(ServerConfig):
+        lines += [f"# {f.metadata['help']}", f"{f.name} = {toml_literal(default_of(f))}", ""]
+    lines += ["[console]", f"# {ConsoleConfig.__dataclass_fields__['keys'].metadata['help']}", "[console.keys]", ""]
+    return "\n".join(lines)

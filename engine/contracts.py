@@ -1,0 +1,125 @@
+"""The contracts between the scheduler and a sequence engine (DESIGN.md). No torch here.
+
+The scheduler builds a StepPlan, the engine answers it with a StepResult of the same number;
+`check_result` is the single place that decides whether a result may be applied to its plan.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.request import SamplingParams
+
+
+class ContractError(RuntimeError):
+    """A plan or a result breaks the contract; the engine or the scheduler has a bug."""
+
+
+class RowKind(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_rows: int                   # max concurrency (rows in one step)
+    block_size: int
+    num_blocks: int
+    num_state_slots: int            # 0 for attention-only models
+    max_model_len: int
+    max_prefill_rows: int
+    max_prefill_tokens_per_row: int
+    max_prefill_tokens_total: int
+    prefill_quantum: int
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    request_id: str
+    kind: RowKind
+    token_ids: tuple[int, ...]      # exact tokens to feed, positions start_pos, start_pos+1, ...
+    start_pos: int
+    block_table: tuple[int, ...]    # covers at least start_pos + len(token_ids) positions
+    state_slot: int | None          # recurrent-state slot (hybrid models), else None
+    sample: bool                    # sample a token after the last fed token
+    sampling: SamplingParams | None = None
+    sample_index: int = 0           # tokens this request generated so far: seeds this draw
+    history: tuple[int, ...] = ()   # prompt + output so far; filled only when penalties are on
+    num_prompt_tokens: int = 0      # how much of `history` is prompt (repetition vs presence)
+    banned_token_ids: tuple[int, ...] = ()  # masked for this draw (EOS/stop ids before min_tokens)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int
+    rows: tuple[PlanRow, ...]
+
+
+@dataclass(frozen=True)
+class RowOutput:
+    request_id: str
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    rows: tuple[RowOutput, ...] = ()
+    error: str | None = None        # a step-level failure: every live request fails, no rows
+
+
+class SeqEngine(Protocol):
+    def limits(self, decode_rows: int) -> EngineLimits: ...
+    def execute(self, plan: StepPlan) -> StepResult: ...
+    def reset_state(self, slot: int) -> None: ...
+
+
+def check_plan(plan: StepPlan, running_decoders: set[str] | frozenset[str] = frozenset()) -> None:
+    """Rows unique and non-empty; every running decoder appears exactly once as a decode row."""
+    seen: set[str] = set()
+    for row in plan.rows:
+        if row.request_id in seen:
+            raise ContractError(f"step {plan.step}: request {row.request_id} appears twice")
+        seen.add(row.request_id)
+        if not row.token_ids:
+            raise ContractError(f"step {plan.step}: row {row.request_id} feeds no tokens")
+        if row.kind is RowKind.DECODE and len(row.token_ids) != 1:
+            raise ContractError(f"step {plan.step}: decode row {row.request_id} feeds "
+                                f"{len(row.token_ids)} tokens")
+        if row.sample and row.sampling is None:
+            raise ContractError(f"step {plan.step}: row {row.request_id} samples without params")
+    decoders = {r.request_id for r in plan.rows if r.kind is RowKind.DECODE}
+    missing = set(running_decoders) - decoders
+    if missing:
+        raise ContractError(f"step {plan.step}: running decoders missing: {sorted(missing)}")
+
+
+def check_result(plan: StepPlan, result: StepResult) -> None:
+    """One output per row in plan order, tokens only where sampling was asked, errors without tokens."""
+    if result.step != plan.step:
+        raise ContractError(f"result for step {result.step} answers plan {plan.step}")
+    if result.error is not None:
+        if result.rows:
+            raise ContractError(f"step {plan.step}: a step error carries {len(result.rows)} rows")
+        return
+    if len(result.rows) != len(plan.rows):
+        raise ContractError(f"step {plan.step}: {len(result.rows)} outputs for {len(plan.rows)} rows")
+    for row, out in zip(plan.rows, result.rows):
+        if out.request_id != row.request_id:
+            raise ContractError(f"step {plan.step}: output for {out.request_id} where "
+                                f"{row.request_id} was planned")
+        if out.error is not None:
+            if out.token is not None:
+                raise ContractError(f"step {plan.step}: failed row {row.request_id} has a token")
+        elif row.sample and out.token is None:
+            raise ContractError(f"step {plan.step}: sampling row {row.request_id} got no token")
+        elif not row.sample and out.token is not None:
+            raise ContractError(f"step {plan.step}: non-sampling row {row.request_id} got a token")

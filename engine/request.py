@@ -1,0 +1,117 @@
+"""Sampling parameters, finish reasons and the request lifecycle (no torch)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # EOS, a stop token id or a stop string
+    LENGTH = "length"      # max_tokens or the end of the context
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; the message names it and what is allowed."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0          # 0 = greedy
+    top_k: int = 0                    # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int = 256
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None       # top-N logprobs per sampled token (0 = only the sampled one)
+
+    def __post_init__(self) -> None:
+        # accept lists/str from callers, store tuples so params stay hashable and immutable
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = [
+            ("temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)"),
+            ("top_k", self.top_k >= 0 or self.top_k == -1, "must be >= 0 (0 or -1 = off)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 = off)"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise SamplingError(f"{name}={getattr(self, name)!r} {allowed}")
+        if any(not s for s in self.stop):
+            raise SamplingError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+class RequestState(str, enum.Enum):
+    WAITING = "waiting"    # queued (new, or preempted and waiting to recompute)
+    PREFILL = "prefill"    # admitted, feeding all_token_ids in chunks
+    DECODE = "decode"      # one token per step
+    PAUSED = "paused"      # a decoder whose consumer is behind: keeps its blocks, gets no rows
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. The scheduler owns every field after `Scheduler.add`."""
+    id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float | None = None         # set by Scheduler.add from its clock when None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0              # tokens of all_token_ids already in the K/V cache
+    state: RequestState = RequestState.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    blocks: list = field(default_factory=list)  # BlockHandle per block, in position order
+    state_slot: int | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    preemptions: int = 0
+    max_tokens: int = 0                       # params.max_tokens clamped to the context and pool
+    pause_requested: bool = False             # paused by the consumer; applies once it decodes
+    client: str = ""                          # who asked: a console session, an HTTP peer
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = tuple(int(t) for t in self.prompt_token_ids)
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+        self.max_tokens = self.max_tokens or self.params.max_tokens
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + tuple(self.output_token_ids)
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return tuple(h.block_id for h in self.blocks)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end this request (EOS unless ignore_eos, plus params.stop_token_ids)."""
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return eos + self.params.stop_token_ids
