@@ -1,0 +1,129 @@
+"""`pagedserve::paged_attention`: causal GQA attention of a flat varlen batch against the paged K/V cache.
+
+Row i owns q[qsl[i]:qsl[i+1]] (n_i tokens at positions ctx_i - n_i .. ctx_i - 1); its keys/values for
+positions 0 .. ctx_i - 1 are already in the cache, position p at block_tables[i][p // BS], offset p % BS.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ops._registry import NAMESPACE, backend_for, require
+
+
+def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, context_lens: Tensor,
+           block_tables: Tensor) -> None:
+    op = "paged_attention"
+    require(q.dim() == 3, op, f"q must be [T, Hq, D], got {tuple(q.shape)}")
+    require(k_cache.dim() == 4 and v_cache.shape == k_cache.shape, op,
+            f"k_cache and v_cache must both be [NB, BS, Hk, D], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    require(k_cache.shape[3] == q.shape[2] and q.shape[1] % k_cache.shape[2] == 0, op,
+            f"q heads {q.shape[1]} must be a multiple of cache heads {k_cache.shape[2]} and head_dim must match "
+            f"(q {q.shape[2]}, cache {k_cache.shape[3]})")
+    require(q.dtype == k_cache.dtype == v_cache.dtype, op,
+            f"q and the caches must share a dtype, "
+            f"got q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    rows = context_lens.shape[0] if context_lens.dim() == 1 else -1
+    require(context_lens.dtype == torch.int32 and rows >= 0, op,
+            f"context_lens must be int32 [B], got {context_lens.dtype} {tuple(context_lens.shape)}")
+    require(query_start_loc.dtype == torch.int32 and query_start_loc.shape == (rows + 1,), op,
+            f"query_start_loc must be int32 [B+1={rows + 1}], "
+            f"got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    require(block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == rows, op,
+            f"block_tables must be int32 [B={rows}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+
+
+def _check_lengths(starts: list[int], ctx: list[int], num_tokens: int, table_positions: int) -> None:
+    op = "paged_attention"
+    for i, n_ctx in enumerate(ctx):
+        n = starts[i + 1] - starts[i]
+        require(0 <= n <= n_ctx <= table_positions, op,
+                f"row {i}: needs 0 <= new tokens ({n}) <= context_lens ({n_ctx}) <= max_blocks * block_size "
+                f"({table_positions}); query_start_loc must be non-decreasing")
+    require(starts[0] == 0 and starts[-1] <= num_tokens, op,
+            f"query_start_loc must start at 0 and end at most at T={num_tokens}, got {starts[0]} .. {starts[-1]}")
+
+
+def reference_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor,
+                              context_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    starts = query_start_loc.tolist()
+    for i, n_ctx in enumerate(context_lens.tolist()):
+        n = starts[i + 1] - starts[i]
+        for j in range(n):
+            pos = n_ctx - n + j
+            keys = torch.stack([k_cache[block_tables[i, p // block_size], p % block_size] for p in range(pos + 1)])
+            values = torch.stack([v_cache[block_tables[i, p // block_size], p % block_size] for p in range(pos + 1)])
+            for h in range(q.shape[1]):
+                scores = keys[:, h // group].float() @ q[starts[i] + j, h].float() * scale
+                out[starts[i] + j, h] = torch.softmax(scores, dim=0) @ values[:, h // group].float()
+    return out.to(q.dtype)
+
+
+def _decode_rows(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: list[int], starts: list[int],
+                 ctx: list[int], block_tables: Tensor, scale: float) -> None:
+    """All single-token rows at once: one block gather of their K/V padded to the longest context, one masked
+    attention. A kv head's G query heads play the role of G query tokens, so K/V are never repeated per head.
+    """
+    block_size, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_rows, group = len(rows), q.shape[1] // kv_heads
+    lens = torch.tensor([ctx[r] for r in rows], dtype=torch.long)
+    num_blocks = (int(lens.max()) + block_size - 1) // block_size
+    blocks = block_tables.index_select(0, torch.tensor(rows, dtype=torch.long))[:, :num_blocks].long()
+    used = torch.arange(num_blocks)[None, :] * block_size < lens[:, None]
+    blocks = torch.where(used, blocks, 0).flatten()      # table entries past a row's context may be junk
+    padded = num_blocks * block_size
+    keys = k_cache.index_select(0, blocks).view(num_rows, padded, kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, blocks).view(num_rows, padded, kv_heads, head_dim).transpose(1, 2)
+    valid = (torch.arange(padded)[None, :] < lens[:, None])[:, None, None, :]     # [R, 1, 1, L]
+    token_ids = torch.tensor([starts[r] for r in rows], dtype=torch.long)
+    queries = q.index_select(0, token_ids).view(num_rows, kv_heads, group, head_dim)
+    # The CPU SDPA kernels keep the softmax and accumulators in fp32 for bf16 inputs.
+    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=valid, scale=scale)
+    out.index_copy_(0, token_ids, attended.reshape(num_rows, q.shape[1], head_dim))
+
+
+def _prefill_row(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, start: int, n: int, n_ctx: int,
+                 table: Tensor, scale: float) -> None:
+    block_size = k_cache.shape[1]
+    blocks = table[: (n_ctx + block_size - 1) // block_size].long()
+    keys = k_cache.index_select(0, blocks).flatten(0, 1)[:n_ctx].transpose(0, 1)   # [Hk, ctx, D]
+    values = v_cache.index_select(0, blocks).flatten(0, 1)[:n_ctx].transpose(0, 1)
+    queries = q[start:start + n].transpose(0, 1)                                   # [Hq, n, D]
+    if n == n_ctx:
+        mask, causal = None, True
+    else:
+        # Queries sit at the END of the context (after the cached prefix): bottom-right aligned causal mask.
+        q_pos = torch.arange(n_ctx - n, n_ctx)
+        mask, causal = torch.arange(n_ctx)[None, :] <= q_pos[:, None], False
+    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=True)
+    out[start:start + n] = attended.transpose(0, 1)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::paged_attention", mutates_args=())
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, context_lens: Tensor,
+                    block_tables: Tensor, scale: float) -> Tensor:
+    _check(q, k_cache, v_cache, query_start_loc, context_lens, block_tables)
+    backend_for(q.device, "paged_attention")
+    starts, ctx = query_start_loc.tolist(), context_lens.tolist()
+    _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])
+    out = torch.zeros_like(q)   # padding tokens past query_start_loc[-1] stay zero
+    decode = [i for i in range(len(ctx)) if starts[i + 1] - starts[i] == 1]
+    if decode:
+        _decode_rows(out, q, k_cache, v_cache, decode, starts, ctx, block_tables, scale)
+    for i, n_ctx in enumerate(ctx):
+        n = starts[i + 1] - starts[i]
+        if n > 1:
+            _prefill_row(out, q, k_cache, v_cache, starts[i], n, n_ctx, block_tables[i], scale)
+    return out
+
+
+@paged_attention.register_fake
+def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, context_lens: Tensor,
+      block_tables: Tensor, scale: float) -> Tensor:
+    _check(q, k_cache, v_cache, query_start_loc, context_lens, block_tables)
+    return torch.empty_like(q)

@@ -1,0 +1,52 @@
+"""`pagedserve::write_kv`: scatter new K/V rows into the paged cache at their slots (block * BS + offset)."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ops._registry import NAMESPACE, backend_for, require
+
+
+def _check(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    op = "write_kv"
+    require(k_cache.dim() == 4 and v_cache.shape == k_cache.shape, op,
+            f"k_cache and v_cache must both be [NB, BS, Hk, D], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    require(k.dim() == 3 and k.shape == v.shape and k.shape[1:] == k_cache.shape[2:], op,
+            f"k and v must be [T, Hk, D] with (Hk, D)={tuple(k_cache.shape[2:])} from the cache, "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    require(k.dtype == v.dtype == k_cache.dtype == v_cache.dtype, op,
+            f"k, v and the caches must share a dtype, got k {k.dtype}, v {v.dtype}, "
+            f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    require(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (k.shape[0],), op,
+            f"slot_mapping must be int64 [T={k.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+
+
+def reference_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        k_cache[slot // block_size, slot % block_size] = k[t]
+        v_cache[slot // block_size, slot % block_size] = v[t]
+
+
+@torch.library.custom_op(f"{NAMESPACE}::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    _check(k_cache, v_cache, k, v, slot_mapping)
+    backend_for(k_cache.device, "write_kv")
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if slot_mapping.numel():
+        hi = slot_mapping.max().item()
+        require(hi < num_slots, "write_kv", f"slot {hi} is past the cache's last slot {num_slots - 1} "
+                "(slot = block * block_size + offset; use -1 for padding tokens)")
+    keep = (slot_mapping >= 0).nonzero().squeeze(1)
+    slots = slot_mapping.index_select(0, keep)
+    # (block, offset) indexing works for caches of any stride, unlike a flat view.
+    blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
+    k_cache.index_put_((blocks, offsets), k.index_select(0, keep))
+    v_cache.index_put_((blocks, offsets), v.index_select(0, keep))
+
+
+@write_kv.register_fake
+def _(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    _check(k_cache, v_cache, k, v, slot_mapping)
