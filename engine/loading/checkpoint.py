@@ -1,0 +1,122 @@
+"""Hugging Face checkpoint directories: config.json plus safetensors weights (one file or shards).
+
+Weights are memory-mapped with `safetensors.safe_open`; a tensor is read, checked against the shape
+the model expects and cast to the run dtype only when the model asks for it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory cannot be used; the message names the file (and tensor) and why."""
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: cannot be read ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _open_safetensors(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file.name}: not a readable safetensors file, maybe truncated or "
+                              f"corrupt ({e}); download it again") from None
+
+
+class Checkpoint:
+    """Tensors by name across the checkpoint's safetensors files, read on demand."""
+
+    def __init__(self, path: Path, config: dict, weight_map: dict[str, str], listing: str):
+        self.path = path
+        self.config = config
+        self._weight_map = weight_map           # tensor name -> file name inside `path`
+        self._listing = listing                 # the file that says which tensors exist
+        self._handles = {name: _open_safetensors(path / name) for name in sorted(set(weight_map.values()))}
+
+    def names(self) -> set[str]:
+        return set(self._weight_map)
+
+    def has(self, name: str) -> bool:
+        return name in self._weight_map
+
+    def _locate(self, name: str) -> tuple[str, str]:
+        """(file, stored name) for a model tensor name: the one place a name mapping would go."""
+        if name not in self._weight_map:
+            raise CheckpointError(f"{self._listing}: tensor {name!r} is missing")
+        return self._weight_map[name], name
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor `name`, checked to have `shape`, cast once to `dtype`, contiguous."""
+        file, stored = self._locate(name)
+        handle = self._handles[file]
+        try:
+            found = tuple(handle.get_slice(stored).get_shape())
+            if found != tuple(shape):
+                raise CheckpointError(f"{file}: tensor {name!r} has shape {list(found)}, "
+                                      f"the model config expects {list(shape)}")
+            tensor = handle.get_tensor(stored)
+        except SafetensorError as e:
+            raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e}); "
+                                  f"the file may be truncated") from None
+        return tensor.to(dtype).contiguous()
+
+    def generation_eos_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids from generation_config.json; () when the file or key is absent."""
+        file = self.path / "generation_config.json"
+        if not file.is_file():
+            return ()
+        value = _read_json(file).get("eos_token_id")
+        if value is None:
+            return ()
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise CheckpointError(f"{file}: eos_token_id must be an int or a list of ints, found {value!r}")
+        return tuple(values)
+
+
+def _weight_map(path: Path) -> tuple[dict[str, str], str]:
+    """(tensor name -> file name, the file that lists them)."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: needs a non-empty 'weight_map' object (tensor name -> shard file)")
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                raise CheckpointError(f"{index}: lists shard {shard!r}, which is missing from {path}")
+        return dict(weight_map), INDEX_FILE
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return {name: SINGLE_FILE for name in _open_safetensors(single).keys()}, SINGLE_FILE
+    others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.gguf"))
+    hint = f" (found {', '.join(others)}: convert it to safetensors)" if others else ""
+    raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open a Hugging Face model directory: config.json and its safetensors weights."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such directory; give a Hugging Face model directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: is a file; give the directory that holds config.json")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file}: missing; a Hugging Face model directory has config.json")
+    return Checkpoint(path, _read_json(config_file), *_weight_map(path))

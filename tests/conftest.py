@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny random checkpoints, each distinct variant built once per test session."""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+
+from tiny_models import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """`tiny_checkpoint("qwen3", tied=False, heads=8, kv_heads=2) -> Path`; takes make_checkpoint's
+    arguments. Same variant (defaults filled in), same directory: treat it as read-only."""
+    built: dict[str, Path] = {}
+    signature = inspect.signature(make_checkpoint)
+
+    def build(arch: str = "qwen3", **kwargs) -> Path:
+        bound = signature.bind(None, arch, **kwargs)
+        bound.apply_defaults()
+        key = repr(sorted((k, v) for k, v in bound.arguments.items() if k != "directory"))
+        if key not in built:
+            built[key] = make_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **kwargs)
+        return built[key]
+
+    return build
