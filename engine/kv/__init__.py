@@ -1,0 +1,1 @@
+"""K/V memory: `allocator` decides who owns which block (no torch); `pool` holds the tensors."""

@@ -1,0 +1,372 @@
+"""Continuous batching (DESIGN.md "Scheduler behaviours" 1-8): FIFO claim-only admission, fair
+round-robin prefill grants next to decode rows in one plan, preemption by recompute, retirement.
+
+There are no prefill/decode phases: every step each running request catches its computed tokens
+up towards all_token_ids, decoders one token, prefillers a granted chunk. No torch here.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.contracts import (ContractError, EngineLimits, PlanRow, RowKind, RowOutput, SeqEngine,
+                              StepPlan, StepResult, check_plan, check_result)
+from engine.kv.allocator import BlockAllocator, BlockHandle, Reservation
+from engine.request import FinishReason, Request, RequestState
+from engine.stats import RequestRow, SchedulerStats, StatsRecorder, percentile
+
+class RequestRejected(ValueError):
+    """The request can never run here (empty, too long for the context or the K/V pool)."""
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting; retry later."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """What one step (or a cancel/finish) did to one request."""
+    request_id: str
+    token: int | None
+    finished: FinishReason | None
+    error: str | None
+    prompt_tokens: int
+    generated_tokens: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+class Scheduler:
+    def __init__(self, engine: SeqEngine, *, max_waiting: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self._limits = engine.limits(0)     # the static fields; capacities are asked per step
+        self._allocator = BlockAllocator(self._limits.num_blocks)
+        self._free_slots = list(range(self._limits.num_state_slots))
+        self._max_waiting = max_waiting
+        self._clock = clock
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []   # admitted (prefill, decode, paused), oldest first
+        self._live: dict[str, Request] = {}
+        self._reservations: dict[str, Reservation] = {}
+        self._rotation: list[str] = []      # prefill round-robin order; served ones move back
+        self._outstanding: StepPlan | None = None
+        self._planned: dict[str, Request] = {}
+        self._next_step = 0
+        self._pending: list[Event] = []
+        self._preemptions = 0
+        self._recorder = StatsRecorder(clock)
+
+    # ---- requests in --------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.check(request.id, len(request.prompt_token_ids))
+        lim, n = self._limits, len(request.prompt_token_ids)
+        # the last generated token is never fed, and a preempted request must fit again on its own
+        pool_room = (lim.num_blocks - 1) * lim.block_size - n + 1
+        request.max_tokens = min(request.params.max_tokens, lim.max_model_len - n, pool_room)
+        if request.arrival_time is None:
+            request.arrival_time = self._clock()
+        request.state = RequestState.WAITING
+        self._live[request.id] = request
+        self._waiting.append(request)
+
+    def check(self, request_id: str, n: int) -> None:
+        """Would a request with this id and an n-token prompt be accepted now? Raises
+        RequestRejected or QueueFull if not. Reads only; front ends call it to answer early."""
+        lim = self._limits
+        if request_id in self._live:
+            raise RequestRejected(f"request id {request_id!r} is already live; ids must be unique")
+        if n == 0:
+            raise RequestRejected("prompt is empty; send at least one token")
+        if n >= lim.max_model_len:
+            raise RequestRejected(f"prompt has {n:,} tokens; max_model_len is {lim.max_model_len:,} "
+                                  "(the prompt must leave room for at least one generated token)")
+        need = self._blocks_for(n) + 1
+        if need > lim.num_blocks:
+            raise RequestRejected(f"prompt has {n:,} tokens and needs {need:,} K/V blocks of "
+                                  f"{lim.block_size} tokens; the pool has {lim.num_blocks:,} blocks "
+                                  "(raise the K/V pool size)")
+        if self._max_waiting is not None and len(self._waiting) >= self._max_waiting:
+            raise QueueFull(f"{len(self._waiting)} requests are waiting (max_waiting="
+                            f"{self._max_waiting}); retry later")
+
+    def cancel(self, request_id: str) -> bool:
+        return self.finish(request_id, FinishReason.CANCELLED)
+
+    def finish(self, request_id: str, reason: FinishReason = FinishReason.STOP) -> bool:
+        """Retire now (stop string matched above us, or cancel); the final event comes with the
+        next step(). False if the request is unknown or already finished."""
+        req = self._live.get(request_id)
+        if req is None:
+            return False
+        self._pending.append(self._retire(req, reason))
+        return True
+
+    def pause(self, request_id: str) -> bool:
+        req = self._live.get(request_id)
+        if req is None:
+            return False
+        req.pause_requested = True
+        if req.state is RequestState.DECODE:
+            req.state = RequestState.PAUSED
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        req = self._live.get(request_id)
+        if req is None:
+            return False
+        req.pause_requested = False
+        if req.state is RequestState.PAUSED:
+            req.state = RequestState.DECODE
+        return True
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        """Live requests, or final events of cancel/finish that step() has yet to hand out."""
+        return bool(self._live or self._pending)
+
+    def get(self, request_id: str) -> Request | None:
+        """A live request (waiting or admitted); None once finished."""
+        return self._live.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        now, alloc = self._clock(), self._allocator
+        paused = sum(r.state is RequestState.PAUSED for r in self._running)
+        prompt_rate, gen_rate = self._recorder.rates()
+        rows = tuple(RequestRow(r.id, r.state.value, len(r.prompt_token_ids), len(r.output_token_ids),
+                                len(r.blocks), r.state_slot, now - r.arrival_time, r.client)
+                     for r in [*self._running, *self._waiting])
+        return SchedulerStats(
+            running=len(self._running) - paused, waiting=len(self._waiting), paused=paused,
+            blocks_used=alloc.num_used, blocks_free=alloc.num_free,
+            blocks_reserved=alloc.num_reserved, blocks_total=alloc.num_blocks,
+            slots_used=self._limits.num_state_slots - len(self._free_slots),
+            slots_total=self._limits.num_state_slots, preemptions_total=self._preemptions,
+            prompt_tokens_total=self._recorder.prompt_tokens_total,
+            generation_tokens_total=self._recorder.generation_tokens_total,
+            prompt_tokens_per_s=prompt_rate, generation_tokens_per_s=gen_rate,
+            ttft_p50_s=percentile(self._recorder.ttft, 50),
+            itl_p50_s=percentile(self._recorder.itl, 50), itl_p99_s=percentile(self._recorder.itl, 99),
+            requests=rows)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Pending cancel/finish events, then schedule -> engine.execute -> apply. An engine
+        exception or a result that breaks the contract fails the plan's requests, not the loop."""
+        events, self._pending = self._pending, []
+        plan = self.schedule()
+        if plan is None:
+            return events
+        try:
+            result = self.engine.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - any engine failure becomes a step failure
+            result = StepResult(plan.step, error=f"{type(exc).__name__}: {exc}")
+        try:
+            return events + self.apply(plan, result)
+        except ContractError as exc:
+            return events + self.apply(plan, StepResult(plan.step, error=f"engine broke the "
+                                                                         f"step contract: {exc}"))
+
+    def schedule(self) -> StepPlan | None:
+        if self._outstanding is not None:
+            raise ContractError(f"plan {self._outstanding.step} is outstanding; apply its result first")
+        decoders = self._grow_decoders()
+        self._admit()
+        limits = self.engine.limits(decode_rows=len(decoders))
+        row_cap = min(limits.max_prefill_rows, limits.max_rows - len(decoders))
+        grants = self._grant_prefill(limits, row_cap)
+        rows = [self._row(r, RowKind.DECODE, 1) for r in decoders]
+        rows += [self._row(self._live[rid], RowKind.PREFILL, n) for rid, n in grants.items()]
+        if not rows:
+            return None
+        plan = StepPlan(self._next_step, tuple(rows))
+        check_plan(plan, {r.id for r in self._running if r.state is RequestState.DECODE})
+        self._next_step += 1
+        self._outstanding = plan
+        self._planned = {row.request_id: self._live[row.request_id] for row in rows}
+        return plan
+
+    def apply(self, plan: StepPlan, result: StepResult) -> list[Event]:
+        if plan is not self._outstanding:
+            raise ContractError(f"plan {plan.step} is not the outstanding plan "
+                                f"({'none' if self._outstanding is None else self._outstanding.step}); "
+                                "a stale or duplicate result is never applied")
+        check_result(plan, result)
+        self._outstanding, planned, self._planned = None, self._planned, {}
+        if result.error is not None:
+            return [self._retire(req, FinishReason.ERROR, error=result.error)
+                    for req in planned.values() if req.state is not RequestState.FINISHED]
+        events: list[Event] = []
+        prompt_fed = generated = 0
+        for row, out in zip(plan.rows, result.rows):
+            req = planned[row.request_id]
+            if req.state is RequestState.FINISHED:      # cancelled or finished while it ran
+                continue
+            if out.error is not None:
+                events.append(self._retire(req, FinishReason.ERROR, error=out.error))
+                continue
+            req.num_computed_tokens = row.end_pos
+            if row.kind is RowKind.PREFILL:
+                prompt_fed += len(row.token_ids)
+            if row.sample:
+                generated += 1
+                events.append(self._take_token(req, out))
+        self._recorder.record_step(prompt_fed, generated)
+        return events
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _blocks_for(self, positions: int) -> int:
+        return -(-positions // self._limits.block_size)
+
+    def _take_token(self, req: Request, out: RowOutput) -> Event:
+        now = self._clock()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self._recorder.ttft.append(now - req.arrival_time)
+        else:   # a gap that includes a recompute after preemption is what the client saw
+            self._recorder.itl.append(now - req.last_token_time)
+        req.last_token_time = now
+        req.output_token_ids.append(out.token)
+        if req.state is RequestState.PREFILL:
+            self._rotation.remove(req.id)
+            req.state = RequestState.PAUSED if req.pause_requested else RequestState.DECODE
+        reason = self._finish_reason(req)
+        if reason is not None:
+            return self._retire(req, reason, out=out)
+        return self._event(req, None, None, out)
+
+    def _finish_reason(self, req: Request) -> FinishReason | None:
+        out = req.output_token_ids
+        # a stop id counts only when drawn unbanned (min_tokens already generated before it)
+        if len(out) > min(req.params.min_tokens, req.max_tokens - 1) and out[-1] in req.stop_token_ids:
+            return FinishReason.STOP
+        if len(out) >= req.max_tokens or len(req.all_token_ids) >= self._limits.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _event(self, req: Request, reason: FinishReason | None, error: str | None,
+               out: RowOutput | None = None) -> Event:
+        return Event(req.id, None if out is None else out.token, reason, error,
+                     len(req.prompt_token_ids), len(req.output_token_ids),
+                     None if out is None else out.logprob, () if out is None else out.top_logprobs)
+
+    def _retire(self, req: Request, reason: FinishReason, *, error: str | None = None,
+                out: RowOutput | None = None) -> Event:
+        if req.state is RequestState.WAITING:
+            self._waiting.remove(req)
+        else:
+            self._release(req)
+        del self._live[req.id]
+        req.state, req.finish_reason, req.error = RequestState.FINISHED, reason, error
+        return self._event(req, reason, error, out)
+
+    def _release(self, req: Request) -> None:
+        """Give back an admitted request's blocks, reservation and slot."""
+        self._running.remove(req)
+        if req.id in self._rotation:
+            self._rotation.remove(req.id)
+        self._allocator.free(req.blocks)
+        req.blocks = []
+        self._reservations.pop(req.id).release()
+        if req.state_slot is not None:
+            heapq.heappush(self._free_slots, req.state_slot)
+            req.state_slot = None
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute later: keep the outputs, forget the cache, wait at the head of the queue."""
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.state = RequestState.WAITING
+        req.preemptions += 1
+        self._preemptions += 1
+        self._waiting.appendleft(req)
+
+    def _next_block(self, req: Request) -> BlockHandle | None:
+        reservation = self._reservations[req.id]
+        if reservation.remaining:
+            return reservation.take()
+        if self._allocator.num_free:
+            return self._allocator.allocate(1)[0]
+        return None
+
+    def _grow_decoders(self) -> list[Request]:
+        """Decoders (oldest first) get the block for their next position, preempting the newest
+        admitted request when the pool is dry; returns the decoders that stay."""
+        decoders = []
+        for req in [r for r in self._running if r.state is RequestState.DECODE]:
+            if req.state is not RequestState.DECODE:    # preempted for an older decoder
+                continue
+            needed = self._blocks_for(req.num_computed_tokens + 1)
+            while len(req.blocks) < needed:
+                handle = self._next_block(req)
+                if handle is None:
+                    victim = self._running[-1]
+                    self._preempt(victim)
+                    if victim is req:
+                        break
+                else:
+                    req.blocks.append(handle)
+            if req.state is RequestState.DECODE:
+                decoders.append(req)
+        return decoders
+
+    def _admit(self) -> None:
+        """Strict FIFO over requests that want to run: a head that does not fit blocks the rest."""
+        lim = self._limits
+        for req in list(self._waiting):
+            if req.pause_requested:
+                continue
+            need = self._blocks_for(len(req.all_token_ids)) + 1
+            if (len(self._running) >= lim.max_rows or need > self._allocator.num_free
+                    or (lim.num_state_slots and not self._free_slots)):
+                return
+            self._waiting.remove(req)
+            self._reservations[req.id] = self._allocator.reserve(need)
+            if lim.num_state_slots:
+                req.state_slot = heapq.heappop(self._free_slots)
+                self.engine.reset_state(req.state_slot)
+            req.state = RequestState.PREFILL
+            self._running.append(req)
+            self._rotation.append(req.id)
+
+    def _grant_prefill(self, limits: EngineLimits, row_cap: int) -> dict[str, int]:
+        """Round-robin quanta over prefillers in rotation order, repeated while capacity remains;
+        those served move to the back of the rotation so the others go first next step."""
+        grants: dict[str, int] = {}
+        budget, quantum = limits.max_prefill_tokens_total, max(1, limits.prefill_quantum)
+        progress = True
+        while progress and budget > 0:
+            progress = False
+            for rid in self._rotation:
+                req, have = self._live[rid], grants.get(rid, 0)
+                if budget == 0 or (have == 0 and len(grants) >= row_cap):
+                    continue
+                left = len(req.all_token_ids) - req.num_computed_tokens - have
+                grant = min(quantum, left, limits.max_prefill_tokens_per_row - have, budget)
+                if grant > 0:
+                    grants[rid] = have + grant
+                    budget -= grant
+                    progress = True
+        self._rotation = ([rid for rid in self._rotation if rid not in grants]
+                          + [rid for rid in self._rotation if rid in grants])
+        return grants
+
+    def _row(self, req: Request, kind: RowKind, count: int) -> PlanRow:
+        all_ids, start = req.all_token_ids, req.num_computed_tokens
+        end = start + count
+        while len(req.blocks) < self._blocks_for(end):  # prefill: its reservation covers the prompt
+            req.blocks.append(self._reservations[req.id].take())
+        sample = end == len(all_ids)
+        params = req.params
+        return PlanRow(
+            request_id=req.id, kind=kind, token_ids=all_ids[start:end], start_pos=start,
+            block_table=req.block_ids, state_slot=req.state_slot, sample=sample,
+            sampling=params if sample else None, sample_index=len(req.output_token_ids),
+            history=all_ids if sample and params.penalized else (),
+            num_prompt_tokens=len(req.prompt_token_ids),
+            banned_token_ids=(req.stop_token_ids
+                              if sample and len(req.output_token_ids) < params.min_tokens else ()))

@@ -1,0 +1,88 @@
+"""Scheduler statistics: a snapshot dataclass and the recorder of token rates and latencies.
+
+Times come from the scheduler's injected clock, so tests drive them by hand.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    id: str
+    state: str
+    prompt_tokens: int
+    generated_tokens: int
+    blocks: int
+    slot: int | None
+    age_s: float
+    client: str = ""
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    running: int                    # admitted and not paused (prefill + decode)
+    waiting: int
+    paused: int
+    blocks_used: int
+    blocks_free: int
+    blocks_reserved: int
+    blocks_total: int
+    slots_used: int
+    slots_total: int
+    preemptions_total: int
+    prompt_tokens_total: int        # prompt tokens computed, recomputation after preemption included
+    generation_tokens_total: int
+    prompt_tokens_per_s: float      # over the recorder's window (the last few seconds)
+    generation_tokens_per_s: float
+    ttft_p50_s: float | None        # over recent requests; None before the first sample
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    requests: tuple[RequestRow, ...]
+
+
+def percentile(samples, p: float) -> float | None:
+    """Nearest-rank percentile (p in (0, 100]); None for no samples."""
+    ordered = sorted(samples)
+    if not ordered:
+        return None
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+class StatsRecorder:
+    """Running totals plus recent samples: per-step token counts within `window_s`, and the last
+    `max_samples` time-to-first-token and inter-token latencies."""
+
+    def __init__(self, clock: Callable[[], float], window_s: float = 5.0,
+                 max_samples: int = 1024) -> None:
+        self._clock = clock
+        self._window_s = window_s
+        self._start = clock()
+        self._steps: deque[tuple[float, int, int]] = deque()
+        self.ttft: deque[float] = deque(maxlen=max_samples)
+        self.itl: deque[float] = deque(maxlen=max_samples)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def record_step(self, prompt_tokens: int, generation_tokens: int) -> None:
+        self.prompt_tokens_total += prompt_tokens
+        self.generation_tokens_total += generation_tokens
+        now = self._clock()
+        self._steps.append((now, prompt_tokens, generation_tokens))
+        self._forget_before(now - self._window_s)
+
+    def rates(self) -> tuple[float, float]:
+        """(prompt tok/s, generation tok/s) over the window, or since start if that is shorter."""
+        now = self._clock()
+        self._forget_before(now - self._window_s)
+        span = min(self._window_s, now - self._start)
+        if span <= 0:
+            return 0.0, 0.0
+        return (sum(s[1] for s in self._steps) / span, sum(s[2] for s in self._steps) / span)
+
+    def _forget_before(self, cutoff: float) -> None:
+        while self._steps and self._steps[0][0] < cutoff:
+            self._steps.popleft()
