@@ -1,0 +1,91 @@
+"""Build a ready engine from an EngineConfig: weights, tokenizer, K/V pool, runner, scheduler, loop."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ConfigError, EngineConfig
+from engine.kv.pool import KVPool, KVShape, plan_num_blocks
+from engine.loading.checkpoint import open_checkpoint
+from engine.loading.model_config import ModelConfig, parse_model_config
+from engine.loading.tokenizer import load_tokenizer
+from engine.loop import EngineLoop
+from engine.models.qwen3 import DenseDecoder
+from engine.runner import ModelRunner, PrefillBudget
+from engine.scheduler import Scheduler
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def resolve_device(cfg: EngineConfig) -> torch.device:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(['device = "cuda" but no CUDA device is visible; use "cpu" or "auto"'])
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16
+    if cfg.dtype == "float16" and device.type == "cpu":
+        raise ConfigError(['dtype = "float16" has no fast path on CPUs (~0.4 GFLOP/s); '
+                           'use "bfloat16" (the default) or "float32"'])
+    return DTYPES[cfg.dtype]
+
+
+def resolve_max_model_len(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    limit = model_cfg.max_position_embeddings
+    if cfg.max_model_len > limit:
+        raise ConfigError([f"max_model_len = {cfg.max_model_len:,} is more than the model's "
+                           f"max_position_embeddings ({limit:,}); use at most {limit:,}"])
+    return cfg.max_model_len or limit
+
+
+@dataclass
+class Engine:
+    config: EngineConfig
+    model_config: ModelConfig
+    model_path: str
+    tokenizer: object
+    model: DenseDecoder
+    pool: KVPool
+    runner: ModelRunner
+    scheduler: Scheduler
+    loop: EngineLoop
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+
+
+def build_engine(cfg: EngineConfig, progress=None) -> Engine:
+    from engine.loading.resolve import resolve_model
+
+    device = resolve_device(cfg)
+    dtype = resolve_dtype(cfg, device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    path = resolve_model(cfg.model, dtype=str(dtype).removeprefix("torch."), progress=progress)
+    ckpt = open_checkpoint(path)
+    model_cfg = parse_model_config(ckpt.config, source=os.path.join(str(path), "config.json"))
+    eos = tuple(dict.fromkeys(ckpt.generation_eos_ids() + model_cfg.eos_token_ids))
+    tokenizer = load_tokenizer(path)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos += (tokenizer.eos_token_id,)
+    max_len = resolve_max_model_len(cfg, model_cfg)
+    model = DenseDecoder(model_cfg, ckpt, dtype, device)
+    shape = KVShape(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                    cfg.block_size, dtype)
+    blocks = plan_num_blocks(shape, kv_pool_tokens=cfg.kv_pool_tokens,
+                             max_concurrency=cfg.max_concurrency, max_model_len=max_len,
+                             device=device)
+    pool = KVPool(shape, blocks, device)
+    runner = ModelRunner(model, pool, max_rows=cfg.max_concurrency, max_model_len=max_len,
+                         budget=PrefillBudget.for_device(device, dtype))
+    scheduler = Scheduler(runner, max_waiting=cfg.max_waiting)
+    loop = EngineLoop(scheduler, tokenizer, eos, max_lag_tokens=cfg.client_max_lag_tokens,
+                      timeout_s=cfg.client_timeout_s)
+    return Engine(cfg, model_cfg, str(path), tokenizer, model, pool, runner, scheduler, loop,
+                  dtype, device, max_len)

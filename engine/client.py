@@ -1,0 +1,76 @@
+"""EngineClient: the one object front ends (server, console) talk to. Text in, deltas out."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.builder import Engine, build_engine
+from engine.config import EngineConfig
+from engine.loop import RequestHandle
+from engine.request import SamplingParams
+from engine.stats import SchedulerStats
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What /props and the console show about the running engine."""
+    model: str
+    model_path: str
+    architecture: str
+    dtype: str
+    device: str
+    max_model_len: int
+    max_concurrency: int
+    block_size: int
+    num_blocks: int
+    kv_pool_tokens: int
+    num_state_slots: int
+
+
+class EngineClient:
+    """Owns a running engine loop thread; every method is safe to call from any thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._loop = engine.loop
+        self._loop.start()
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, progress=None) -> "EngineClient":
+        return cls(build_engine(cfg, progress=progress))
+
+    def submit(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+               params: SamplingParams | None = None, request_id: str | None = None,
+               client: str = "") -> RequestHandle:
+        """Exactly one of `prompt` (text or token ids) and `messages` (chat, templated here)."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if messages is not None:
+            ids = self.tokenizer.chat_ids(messages)
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        return self._loop.submit(ids, params or SamplingParams(), request_id=request_id,
+                                 client=client)
+
+    def cancel(self, request_id: str) -> None:
+        self._loop.cancel(request_id)
+
+    def stats(self) -> SchedulerStats:
+        """The snapshot published after the latest step."""
+        return self._loop.stats
+
+    def info(self) -> EngineInfo:
+        e = self.engine
+        return EngineInfo(
+            model=e.config.model, model_path=e.model_path,
+            architecture=e.model_config.architecture, dtype=str(e.dtype).removeprefix("torch."),
+            device=str(e.device), max_model_len=e.max_model_len,
+            max_concurrency=e.config.max_concurrency, block_size=e.pool.shape.block_size,
+            num_blocks=e.pool.num_blocks, kv_pool_tokens=e.pool.num_blocks * e.pool.shape.block_size,
+            num_state_slots=0)
+
+    def close(self) -> None:
+        """Cancel what is live and stop the loop thread."""
+        self._loop.stop()

@@ -1,0 +1,288 @@
+"""The engine loop (one thread owns the scheduler) and the client side: submit, stream, cancel.
+
+Every request gets an output buffer. The loop appends to it and never waits for a reader; a reader
+that falls `max_lag_tokens` behind pauses only its own request, one that reads nothing for
+`timeout_s` while output waits is cancelled.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.detokenize import IncrementalDetokenizer
+from engine.request import FinishReason, Request, SamplingParams
+from engine.scheduler import Scheduler
+
+
+@dataclass
+class Delta:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple] = field(default_factory=list)   # (token, logprob, top) per token
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def merge(self, later: "Delta") -> None:
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.finish_reason, self.error = later.finish_reason, later.error
+        self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    error: str | None = None
+    logprobs: list[tuple] = field(default_factory=list)
+
+
+class RequestHandle:
+    """The reader's end of one request's output buffer (sync or async iteration, cancel)."""
+
+    def __init__(self, loop: "EngineLoop", request_id: str, bounded: bool):
+        self.id = request_id
+        self.bounded = bounded
+        self._loop = loop
+        self._pending: deque[Delta] = deque()
+        self._cond = threading.Condition()
+        self._done = False
+        self._unread_tokens = 0
+        self.last_read = time.monotonic()
+        self._aio: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+    # -- loop side
+    def _push(self, delta: Delta) -> None:
+        with self._cond:
+            self._pending.append(delta)
+            self._unread_tokens += len(delta.token_ids)
+            self._done = self._done or delta.finish_reason is not None
+            self._cond.notify_all()
+            aio = self._aio
+        if aio is not None:
+            aio[0].call_soon_threadsafe(aio[1].set)
+
+    @property
+    def lag(self) -> int:
+        return self._unread_tokens
+
+    @property
+    def finished(self) -> bool:
+        """The final delta is in the buffer (it may not have been read yet)."""
+        return self._done
+
+    # -- reader side
+    def _take(self) -> Delta | None:
+        if not self._pending:
+            return None
+        out = self._pending.popleft()
+        while self._pending:
+            out.merge(self._pending.popleft())
+        self._unread_tokens = 0
+        self.last_read = time.monotonic()
+        return out
+
+    def __iter__(self):
+        while True:
+            with self._cond:
+                while not self._pending:
+                    self._cond.wait()
+                delta = self._take()
+            self._loop._wake()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    async def __aiter__(self):
+        with self._cond:
+            self._aio = (asyncio.get_running_loop(), asyncio.Event())
+        while True:
+            event = self._aio[1]
+            with self._cond:
+                delta = self._take()
+                if delta is None:
+                    event.clear()
+            if delta is None:
+                await event.wait()
+                continue
+            self._loop._wake()
+            yield delta
+            if delta.finish_reason is not None:
+                return
+
+    def result(self) -> Completion:
+        total = Delta()
+        for delta in self:
+            total.merge(delta)
+        return Completion(total.text, total.token_ids, total.finish_reason, total.prompt_tokens,
+                          total.error, total.logprobs)
+
+    def cancel(self) -> None:
+        self._loop.cancel(self.id)
+
+
+@dataclass
+class _Live:
+    request: Request
+    handle: RequestHandle
+    detok: IncrementalDetokenizer
+    paused: bool = False
+
+
+class EngineLoop:
+    """Owns the scheduler. `start()` runs it on a thread; `run_until_idle()` runs it inline."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: tuple[int, ...], *,
+                 max_lag_tokens: int = 1024, timeout_s: float = 60.0):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_lag_tokens = max_lag_tokens
+        self.timeout_s = timeout_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stats = scheduler.stats()
+
+    # -- client API (any thread)
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+               bounded: bool = True, client: str = "") -> RequestHandle:
+        """Queue a request. A prompt that can never run (too long, empty) or a full queue raises
+        RequestRejected / QueueFull here; a later rejection arrives as a final error delta."""
+        rid = request_id or f"req-{next(self._ids)}"
+        self.scheduler.check(rid, len(prompt_ids))
+        handle = RequestHandle(self, rid, bounded)
+        request = Request(id=rid, prompt_token_ids=tuple(prompt_ids), params=params,
+                          eos_token_ids=self.eos_token_ids, client=client)
+        self._commands.put(("submit", request, handle))
+        self._wake()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(("cancel", request_id, None))
+        self._wake()
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    # -- loop side
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg, handle = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self._admit(arg, handle)
+            elif kind == "cancel" and arg in self._live:
+                self.scheduler.cancel(arg)
+                self._finish(arg, Delta(finish_reason=FinishReason.CANCELLED))
+
+    def _admit(self, request: Request, handle: RequestHandle) -> None:
+        try:
+            self.scheduler.add(request)
+        except ValueError as e:      # RequestRejected / QueueFull carry the numbers
+            handle._push(Delta(finish_reason=FinishReason.ERROR, error=str(e),
+                               prompt_tokens=len(request.prompt_token_ids)))
+            return
+        detok = IncrementalDetokenizer(self.tokenizer, stop=request.params.stop)
+        self._live[request.id] = _Live(request, handle, detok)
+
+    def _finish(self, rid: str, delta: Delta) -> None:
+        live = self._live.pop(rid)
+        delta.text += live.detok.finish() if delta.finish_reason is not FinishReason.ERROR else ""
+        delta.prompt_tokens = len(live.request.prompt_token_ids)
+        delta.completion_tokens = len(live.request.output_token_ids)
+        live.handle._push(delta)
+
+    def _apply(self, events) -> None:
+        for ev in events:
+            live = self._live.get(ev.request_id)
+            if live is None:
+                continue
+            delta = Delta(prompt_tokens=len(live.request.prompt_token_ids),
+                          completion_tokens=len(live.request.output_token_ids))
+            if ev.token is not None:
+                delta.token_ids.append(ev.token)
+                delta.logprobs.append((ev.token, ev.logprob, ev.top_logprobs))
+                delta.text = live.detok.push([ev.token])
+                if live.detok.stopped and ev.finished is None:
+                    self.scheduler.finish(ev.request_id, FinishReason.STOP)
+                    delta.finish_reason = FinishReason.STOP
+            if ev.finished is not None or ev.error is not None:
+                delta.finish_reason = ev.finished or FinishReason.ERROR
+                delta.error = ev.error
+            if delta.finish_reason is not None:
+                self._finish(ev.request_id, delta)
+            else:
+                live.handle._push(delta)
+
+    def _police_readers(self) -> None:
+        now = time.monotonic()
+        for rid, live in list(self._live.items()):
+            h = live.handle
+            if not h.bounded:
+                continue
+            if h.lag and now - h.last_read > self.timeout_s:
+                self.scheduler.cancel(rid)
+                self._finish(rid, Delta(finish_reason=FinishReason.CANCELLED,
+                                        error=f"reader stalled for over {self.timeout_s:g} s"))
+            elif not live.paused and h.lag > self.max_lag_tokens:
+                live.paused = True
+                self.scheduler.pause(rid)
+            elif live.paused and h.lag <= self.max_lag_tokens // 2:
+                live.paused = False
+                self.scheduler.resume(rid)
+
+    def run_once(self) -> bool:
+        """One iteration: commands, one engine step, outputs. Returns whether anything moved."""
+        self._drain_commands()
+        self._police_readers()
+        if not self.scheduler.has_work:
+            return False
+        events = self.scheduler.step()
+        self._apply(events)
+        self.stats = self.scheduler.stats()
+        # only paused requests left: nothing ran, so the thread should wait for a reader
+        return bool(events) or self.stats.running > 0
+
+    def run_until_idle(self) -> None:
+        while self.run_once() or not self._commands.empty():
+            pass
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            if not self.run_once():
+                # idle: sleep until a command arrives or a reader drains (paused requests resume)
+                self._wakeup.wait(timeout=0.05 if self._live else 1.0)
+                self._wakeup.clear()
+        self._drain_commands()
+
+    def stop(self) -> None:
+        """Cancel what is live and stop the thread; the scheduler ends with nothing in use."""
+        for rid in list(self._live):
+            self.cancel(rid)
+        if self._thread is None:
+            self._drain_commands()
+            return
+        self._stopping.set()
+        self._wake()
+        self._thread.join(timeout=30)
+        self._thread = None

@@ -1,0 +1,1 @@
+"""Model families, each built from pagedserve ops and torch linear layers only."""

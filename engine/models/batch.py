@@ -1,0 +1,17 @@
+"""The flat token batch one forward consumes: prefill chunks and decode rows together."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor        # int64 [T]
+    positions: torch.Tensor        # int64 [T]
+    slot_mapping: torch.Tensor     # int64 [T]: block * block_size + offset, -1 = padding
+    block_tables: torch.Tensor     # int32 [B, max_blocks]
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    context_lens: torch.Tensor     # int32 [B]: cached prefix + this step's tokens
+    logits_indices: torch.Tensor   # int64 [S]: flat index of each sampling row's last token
