@@ -1,6 +1,9 @@
 """What every pagedserve op shares: the typed input error and the one place that picks a backend."""
 from __future__ import annotations
 
+import importlib
+from typing import Callable
+
 import torch
 
 NAMESPACE = "pagedserve"
@@ -15,10 +18,38 @@ def require(ok: bool, op: str, message: str) -> None:
         raise OpInputError(f"pagedserve::{op}: {message}")
 
 
+_IMPLS: dict[tuple[str, str], Callable] = {}
+_BACKEND_PACKAGES = {"cpu": "ops.cpu", "cuda": "ops.triton"}
+_loaded: set[str] = set()
+
+
+def register(op: str, backend: str) -> Callable[[Callable], Callable]:
+    """Register `fn` as the body of `pagedserve::op` on `backend` ("cpu" or "cuda"). A later
+    registration replaces an earlier one: the op files register torch code, and backend packages
+    (ops.cpu's C++ kernels, ops.triton's kernels) replace it when they can run here."""
+    def deco(fn: Callable) -> Callable:
+        _IMPLS[(op, backend)] = fn
+        return fn
+    return deco
+
+
 def backend_for(device: torch.device, op: str) -> str:
-    """Return "cpu" for CPU tensors; GPU backends are not wired in yet, so say so instead of failing later."""
-    if device.type == "cpu":
-        return "cpu"
-    if device.type == "cuda":
-        raise NotImplementedError("Triton kernels land with the GPU issue")
-    raise OpInputError(f"pagedserve::{op}: tensors on device {device.type!r}; allowed: cpu (cuda later)")
+    if device.type not in _BACKEND_PACKAGES:
+        raise OpInputError(f"pagedserve::{op}: tensors on device {device.type!r}; allowed: cpu, cuda")
+    return device.type
+
+
+def impl(op: str, device: torch.device) -> Callable:
+    """The registered body of `op` for tensors on `device`."""
+    backend = backend_for(device, op)
+    if backend not in _loaded:
+        _loaded.add(backend)
+        try:
+            importlib.import_module(_BACKEND_PACKAGES[backend])
+        except ModuleNotFoundError as e:
+            if e.name != _BACKEND_PACKAGES[backend]:
+                raise
+    fn = _IMPLS.get((op, backend))
+    if fn is None:
+        raise NotImplementedError(f"pagedserve::{op} has no {backend} kernel yet")
+    return fn

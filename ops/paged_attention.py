@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ops._registry import NAMESPACE, backend_for, require
+from ops._registry import NAMESPACE, impl, register, require
 
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, context_lens: Tensor,
@@ -104,11 +104,9 @@ def _prefill_row(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, start
     out[start:start + n] = attended.transpose(0, 1)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::paged_attention", mutates_args=())
-def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, context_lens: Tensor,
-                    block_tables: Tensor, scale: float) -> Tensor:
-    _check(q, k_cache, v_cache, query_start_loc, context_lens, block_tables)
-    backend_for(q.device, "paged_attention")
+@register("paged_attention", "cpu")
+def torch_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor,
+                          context_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
     starts, ctx = query_start_loc.tolist(), context_lens.tolist()
     _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])
     out = torch.zeros_like(q)   # padding tokens past query_start_loc[-1] stay zero
@@ -120,6 +118,14 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc
         if n > 1:
             _prefill_row(out, q, k_cache, v_cache, starts[i], n, n_ctx, block_tables[i], scale)
     return out
+
+
+@torch.library.custom_op(f"{NAMESPACE}::paged_attention", mutates_args=())
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, context_lens: Tensor,
+                    block_tables: Tensor, scale: float) -> Tensor:
+    _check(q, k_cache, v_cache, query_start_loc, context_lens, block_tables)
+    return impl("paged_attention", q.device)(q, k_cache, v_cache, query_start_loc, context_lens,
+                                             block_tables, scale)
 
 
 @paged_attention.register_fake

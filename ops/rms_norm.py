@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ops._registry import NAMESPACE, backend_for, require
+from ops._registry import NAMESPACE, impl, register, require
 
 
 def _check(op: str, x: Tensor, weight: Tensor) -> None:
@@ -37,11 +37,21 @@ def reference_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: flo
     return reference_rms_norm(summed, weight, eps), summed
 
 
+@register("rms_norm", "cpu")
+def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return _normalize(x, weight, eps)
+
+
+@register("add_rms_norm", "cpu")
+def torch_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    summed = residual + x
+    return _normalize(summed, weight, eps), summed
+
+
 @torch.library.custom_op(f"{NAMESPACE}::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     _check("rms_norm", x, weight)
-    backend_for(x.device, "rms_norm")
-    return _normalize(x, weight, eps)
+    return impl("rms_norm", x.device)(x, weight, eps)
 
 
 @rms_norm.register_fake
@@ -53,9 +63,7 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 @torch.library.custom_op(f"{NAMESPACE}::add_rms_norm", mutates_args=())
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     _check_add("add_rms_norm", x, residual, weight)
-    backend_for(x.device, "add_rms_norm")
-    summed = residual + x
-    return _normalize(summed, weight, eps), summed
+    return impl("add_rms_norm", x.device)(x, residual, weight, eps)
 
 
 @add_rms_norm.register_fake

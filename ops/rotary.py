@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ops._registry import NAMESPACE, backend_for, require
+from ops._registry import NAMESPACE, impl, register, require
 
 
 def rope_cos_sin(max_pos: int, rotary_dim: int, theta: float) -> Tensor:
@@ -58,10 +58,8 @@ def reference_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor,
     return rotate_one(q), rotate_one(k)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::rotary", mutates_args=())
-def rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary_dim: int) -> tuple[Tensor, Tensor]:
-    _check(q, k, positions, cos_sin, rotary_dim)
-    backend_for(q.device, "rotary")
+@register("rotary", "cpu")
+def torch_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary_dim: int) -> tuple[Tensor, Tensor]:
     if positions.numel():
         lo, hi = positions.min().item(), positions.max().item()
         require(lo >= 0 and hi < cos_sin.shape[0], "rotary",
@@ -71,6 +69,12 @@ def rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary_dim:
     half = rotary_dim // 2
     cos, sin = table[..., :half], table[..., half:]
     return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::rotary", mutates_args=())
+def rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary_dim: int) -> tuple[Tensor, Tensor]:
+    _check(q, k, positions, cos_sin, rotary_dim)
+    return impl("rotary", q.device)(q, k, positions, cos_sin, rotary_dim)
 
 
 @rotary.register_fake

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ops._registry import NAMESPACE, backend_for, require
+from ops._registry import NAMESPACE, impl, register, require
 
 
 def _check(x: Tensor) -> None:
@@ -19,12 +19,16 @@ def reference_silu_and_mul(x: Tensor) -> Tensor:
     return (gate / (1 + torch.exp(-gate))).to(x.dtype) * up
 
 
+@register("silu_and_mul", "cpu")
+def torch_silu_and_mul(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
 @torch.library.custom_op(f"{NAMESPACE}::silu_and_mul", mutates_args=())
 def silu_and_mul(x: Tensor) -> Tensor:
     _check(x)
-    backend_for(x.device, "silu_and_mul")
-    half = x.shape[-1] // 2
-    return F.silu(x[..., :half]) * x[..., half:]
+    return impl("silu_and_mul", x.device)(x)
 
 
 @silu_and_mul.register_fake

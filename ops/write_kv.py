@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ops._registry import NAMESPACE, backend_for, require
+from ops._registry import NAMESPACE, impl, register, require
 
 
 def _check(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
@@ -30,10 +30,8 @@ def reference_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, s
         v_cache[slot // block_size, slot % block_size] = v[t]
 
 
-@torch.library.custom_op(f"{NAMESPACE}::write_kv", mutates_args=("k_cache", "v_cache"))
-def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    _check(k_cache, v_cache, k, v, slot_mapping)
-    backend_for(k_cache.device, "write_kv")
+@register("write_kv", "cpu")
+def torch_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.numel():
         hi = slot_mapping.max().item()
@@ -45,6 +43,12 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
     k_cache.index_put_((blocks, offsets), k.index_select(0, keep))
     v_cache.index_put_((blocks, offsets), v.index_select(0, keep))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    _check(k_cache, v_cache, k, v, slot_mapping)
+    impl("write_kv", k_cache.device)(k_cache, v_cache, k, v, slot_mapping)
 
 
 @write_kv.register_fake

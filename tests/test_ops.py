@@ -259,9 +259,20 @@ def test_paged_attention_rejects_bad_inputs():
         pagedserve.paged_attention(q, kc, vc, qsl, torch.tensor([1], dtype=torch.int32), bt, 0.1)
 
 
-def test_gpu_backend_is_not_wired_yet():
-    with pytest.raises(NotImplementedError, match="Triton kernels land with the GPU issue"):
-        backend_for(torch.device("cuda"), "paged_attention")
+def test_dispatch_picks_the_backend_registered_for_the_device(monkeypatch):
+    from ops import _registry
+    assert backend_for(torch.device("cpu"), "rms_norm") == "cpu"
+    assert backend_for(torch.device("cuda"), "rms_norm") == "cuda"
+    with pytest.raises(ops.OpInputError, match="device 'mps'"):
+        backend_for(torch.device("mps"), "rms_norm")
+    calls = []
+    monkeypatch.setitem(_registry._IMPLS, ("silu_and_mul", "cpu"),
+                        lambda x: calls.append(x) or x[..., : x.shape[-1] // 2].clone())
+    pagedserve.silu_and_mul(torch.ones(2, 4))
+    assert len(calls) == 1
+    monkeypatch.delitem(_registry._IMPLS, ("silu_and_mul", "cpu"))
+    with pytest.raises(NotImplementedError, match="silu_and_mul has no cpu kernel"):
+        pagedserve.silu_and_mul(torch.ones(2, 4))
 
 
 # ---------------------------------------------------------------- torch.compile
