@@ -138,7 +138,8 @@ class Scheduler:
         paused = sum(r.state is RequestState.PAUSED for r in self._running)
         prompt_rate, gen_rate = self._recorder.rates()
         rows = tuple(RequestRow(r.id, r.state.value, len(r.prompt_token_ids), len(r.output_token_ids),
-                                len(r.blocks), r.state_slot, now - r.arrival_time, r.client)
+                                len(r.blocks), r.state_slot, now - r.arrival_time, r.client,
+                                _decode_rate(r, now))
                      for r in [*self._running, *self._waiting])
         return SchedulerStats(
             running=len(self._running) - paused, waiting=len(self._waiting), paused=paused,
@@ -370,3 +371,9 @@ class Scheduler:
             num_prompt_tokens=len(req.prompt_token_ids),
             banned_token_ids=(req.stop_token_ids
                               if sample and len(req.output_token_ids) < params.min_tokens else ()))
+
+
+def _decode_rate(req: Request, now: float) -> float:
+    if req.first_token_time is None or now <= req.first_token_time:
+        return 0.0
+    return (len(req.output_token_ids) - 1) / (now - req.first_token_time)

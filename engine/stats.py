@@ -20,6 +20,7 @@ class RequestRow:
     slot: int | None
     age_s: float
     client: str = ""
+    tokens_per_s: float = 0.0       # generated tokens over the time since the first one
 
 
 @dataclass(frozen=True)
