@@ -64,6 +64,8 @@ class RequestHandle:
     # -- loop side
     def _push(self, delta: Delta) -> None:
         with self._cond:
+            if not self._pending:   # the stall clock runs from when output waits, not from submit
+                self.last_read = time.monotonic()
             self._pending.append(delta)
             self._unread_tokens += len(delta.token_ids)
             self._done = self._done or delta.finish_reason is not None
@@ -264,6 +266,7 @@ class EngineLoop:
             pass
 
     def start(self) -> None:
+        self._stopping.clear()
         self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
         self._thread.start()
 
