@@ -1,0 +1,107 @@
+"""C++ CPU kernels for pagedserve's hot ops; importing this package registers them over the torch bodies.
+
+`ops._registry.impl` imports this package on the first CPU call. The extension is compiled on first use
+(~15 s, cached under the user cache dir, see ops/cpu/build.py). Without a working compiler one line is
+logged and the torch bodies stay registered. PAGEDSERVE_CPU_KERNELS=0 skips the build on purpose.
+
+Ops with a kernel: paged_attention (decode rows; prefill rows keep torch's SDPA), write_kv, rotary.
+rms_norm and silu_and_mul stay in torch: their outputs must equal transformers' bit for bit, and that
+depends on torch's own reduction order and exp implementation.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ops._registry import register, require
+from ops.cpu import build
+from ops.paged_attention import _check_lengths, _prefill_row, torch_paged_attention
+from ops.rotary import torch_rotary
+from ops.write_kv import torch_write_kv
+
+log = logging.getLogger(__name__)
+ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)     # what the templated kernels are instantiated for
+_lib = None                                         # torch.ops.pagedserve_cpu once loaded
+
+
+def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor,
+                        context_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
+    starts, ctx = query_start_loc.tolist(), context_lens.tolist()
+    _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])
+    if q.dtype not in KERNEL_DTYPES or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
+        return torch_paged_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale)
+    out = _lib.paged_attention_decode(q.contiguous(), k_cache, v_cache, query_start_loc, context_lens,
+                                      block_tables, scale)
+    for i, n_ctx in enumerate(ctx):
+        n = starts[i + 1] - starts[i]
+        if n > 1:        # prefill chunks: torch's flash-attention SDPA is already compute-efficient
+            _prefill_row(out, q, k_cache, v_cache, starts[i], n, n_ctx, block_tables[i], scale)
+    return out
+
+
+def cpp_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        torch_write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return
+    bad = _lib.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    require(bad < 0, "write_kv", f"slot {bad} is past the cache's last slot {num_slots - 1} "
+            "(slot = block * block_size + offset; use -1 for padding tokens)")
+
+
+def cpp_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary_dim: int) -> tuple[Tensor, Tensor]:
+    if q.dtype not in KERNEL_DTYPES:
+        return torch_rotary(q, k, positions, cos_sin, rotary_dim)
+    q_out, k_out, bad = _lib.rotary(q, k, positions, cos_sin, rotary_dim)
+    require(bad < 0, "rotary", f"positions must lie in [0, {cos_sin.shape[0]}) (the cos_sin table's rows), "
+            f"got {bad}; build a longer table with ops.rotary.rope_cos_sin")
+    return q_out, k_out
+
+
+CPP_BODIES: dict[str, Callable] = {"paged_attention": cpp_paged_attention, "write_kv": cpp_write_kv,
+                                   "rotary": cpp_rotary}
+TORCH_BODIES: dict[str, Callable] = {"paged_attention": torch_paged_attention, "write_kv": torch_write_kv,
+                                     "rotary": torch_rotary}
+
+
+def kernels_available() -> bool:
+    return _lib is not None
+
+
+def use_backend(backend: str) -> None:
+    """Register the "cpp" or the "torch" bodies of the ops this package accelerates (for A/B runs)."""
+    if backend not in ("cpp", "torch"):
+        raise ValueError(f"backend {backend!r}: allowed are 'cpp' and 'torch'")
+    if backend == "cpp" and _lib is None:
+        raise RuntimeError("the C++ CPU kernels are not loaded (see the log line from ops.cpu); "
+                           "use backend 'torch'")
+    for op, fn in (CPP_BODIES if backend == "cpp" else TORCH_BODIES).items():
+        register(op, "cpu")(fn)
+
+
+def install() -> bool:
+    """Load the extension (building it if needed) and register its kernels; on failure log one line and
+    keep the torch bodies. Returns whether the C++ kernels are in use."""
+    global _lib
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        use_backend("torch")
+        return False
+    if _lib is None:
+        try:
+            _lib = build.load_extension()
+        except Exception as e:  # noqa: BLE001 - any build failure means: run the torch bodies
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            log.warning("pagedserve: C++ CPU kernels unavailable (%s: %s); using the slower torch ops. "
+                        "Needs g++ and ninja; set %s=0 to skip the build.", type(e).__name__, reason, ENV_SWITCH)
+            use_backend("torch")
+            return False
+    use_backend("cpp")
+    return True
+
+
+install()

@@ -1,0 +1,133 @@
+// Decode rows of pagedserve::paged_attention: K/V read in place from the paged cache (no gather copy),
+// online softmax in fp32, the G query heads of a kv head sharing each K/V load.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "bf16.h"
+
+namespace {
+
+using pagedserve_cpu::from_float;
+using pagedserve_cpu::to_float;
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * to_float(b[i]);
+  return s;
+}
+
+struct CacheView {
+  int64_t block_stride, slot_stride, head_stride, num_blocks, block_size;
+};
+
+// One (row, kv head): G query heads against the row's first `ctx` cached positions.
+template <typename T>
+void attend(const T* q, int64_t q_head_stride, T* out, int64_t out_head_stride, const T* k_cache,
+            const T* v_cache, const CacheView& cache, const int32_t* table, int64_t ctx, int64_t kv_head,
+            int64_t group, int64_t dim, float scale, std::vector<float>& scratch) {
+  const int64_t bs = cache.block_size;
+  scratch.assign(group * dim * 2 + group * bs + 2 * group, 0.f);
+  float* qf = scratch.data();                 // [G, D] scaled queries
+  float* acc = qf + group * dim;              // [G, D] unnormalised output
+  float* p = acc + group * dim;               // [G, BS] this block's scores, then weights
+  float* run_max = p + group * bs;            // [G]
+  float* run_sum = run_max + group;           // [G]
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(q[g * q_head_stride + d]) * scale;
+    run_max[g] = -std::numeric_limits<float>::infinity();
+  }
+  for (int64_t start = 0; start < ctx; start += bs) {
+    const int64_t block = table[start / bs];
+    TORCH_CHECK(block >= 0 && block < cache.num_blocks, "pagedserve::paged_attention: block_tables entry ",
+                block, " for position ", start, " is outside the cache's ", cache.num_blocks, " blocks");
+    const int64_t len = std::min(bs, ctx - start);
+    const int64_t base = block * cache.block_stride + kv_head * cache.head_stride;
+    for (int64_t j = 0; j < len; ++j) {
+      const T* k = k_cache + base + j * cache.slot_stride;
+      for (int64_t g = 0; g < group; ++g) p[g * bs + j] = dot(qf + g * dim, k, dim);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* pg = p + g * bs;
+      float m = run_max[g];
+      for (int64_t j = 0; j < len; ++j) m = std::max(m, pg[j]);
+      const float correction = std::exp(run_max[g] - m);   // exp(-inf) = 0 on the first block
+      float sum = 0.f;
+      for (int64_t j = 0; j < len; ++j) {
+        pg[j] = std::exp(pg[j] - m);
+        sum += pg[j];
+      }
+      run_sum[g] = run_sum[g] * correction + sum;
+      run_max[g] = m;
+      float* ag = acc + g * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) ag[d] *= correction;
+    }
+    for (int64_t j = 0; j < len; ++j) {
+      const T* v = v_cache + base + j * cache.slot_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float w = p[g * bs + j];
+        float* ag = acc + g * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) ag[d] += w * to_float(v[d]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
+    for (int64_t d = 0; d < dim; ++d) out[g * out_head_stride + d] = from_float<T>(acc[g * dim + d] * inv);
+  }
+}
+
+// Output like q, zero except the rows with exactly one new token (decode rows), which get their attention.
+// q: [T, Hq, D] contiguous; caches [NB, BS, Hk, D] with unit stride in D; lengths already validated.
+at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                                  const at::Tensor& block_tables, double scale) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
+              "pagedserve_cpu::paged_attention_decode: q must be contiguous and the caches share strides with "
+              "unit stride in head_dim");
+  const auto qsl = query_start_loc.contiguous();
+  const auto ctx = context_lens.contiguous();
+  const auto tables = block_tables.contiguous();
+  auto out = at::zeros_like(q);
+  const int64_t rows = ctx.size(0), kv_heads = k_cache.size(2), dim = q.size(2);
+  const int64_t group = q.size(1) / kv_heads, width = tables.size(1);
+  const CacheView cache{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.size(0),
+                        k_cache.size(1)};
+  const int32_t* starts = qsl.data_ptr<int32_t>();
+  const int32_t* lens = ctx.data_ptr<int32_t>();
+  const int32_t* table = tables.data_ptr<int32_t>();
+  PAGEDSERVE_DISPATCH_F32_BF16(q.scalar_type(), "pagedserve_cpu::paged_attention_decode", [&] {
+    const auto* qp = static_cast<const scalar_t*>(q.data_ptr());
+    auto* op = static_cast<scalar_t*>(out.data_ptr());
+    const auto* kp = static_cast<const scalar_t*>(k_cache.data_ptr());
+    const auto* vp = static_cast<const scalar_t*>(v_cache.data_ptr());
+    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t row = item / kv_heads, head = item % kv_heads;
+        if (starts[row + 1] - starts[row] != 1) continue;
+        const int64_t first = (static_cast<int64_t>(starts[row]) * q.size(1) + head * group) * dim;
+        attend(qp + first, dim, op + first, dim, kp, vp, cache, table + row * width, lens[row], head, group,
+               dim, static_cast<float>(scale), scratch);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
+        "Tensor context_lens, Tensor block_tables, float scale) -> Tensor",
+        &paged_attention_decode);
+}

@@ -1,0 +1,158 @@
+"""The C++ CPU kernels (ops/cpu) against the pure-torch references, and the fallback when they cannot build."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import ops
+import ops.cpu
+from ops import _registry
+from ops.paged_attention import reference_paged_attention
+from ops.rotary import reference_rotary, rope_cos_sin, torch_rotary
+from ops.write_kv import reference_write_kv
+
+pagedserve = torch.ops.pagedserve
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def cpp_kernels():
+    assert ops.cpu.kernels_available(), "the C++ kernels did not build on this machine (see ops.cpu's log line)"
+    ops.cpu.use_backend("cpp")
+    yield
+    ops.cpu.use_backend("cpp")
+
+
+def _paged(rows, q_heads, kv_heads, head_dim, dtype, *, block=16, pad_tokens=0, head_slice=False, seed=0):
+    """rows = [(context_len, new_tokens)] -> q, k_cache, v_cache, qsl, context_lens, block_tables.
+    Blocks are shuffled, table entries past a row's context are junk, and with head_slice the caches are
+    views that skip every other kv head (non-default strides)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-ctx // block) for ctx, _ in rows) + 1
+    num_blocks = len(rows) * width + 2
+    tables = torch.randperm(num_blocks, generator=g)[: len(rows) * width].view(len(rows), width).int()
+    for i, (ctx, _) in enumerate(rows):
+        tables[i, -(-ctx // block):] = -5 if i % 2 else num_blocks + 9
+    stored_heads = 2 * kv_heads if head_slice else kv_heads
+    k_cache = torch.zeros(num_blocks, block, stored_heads, head_dim, dtype=dtype)[:, :, ::2 if head_slice else 1]
+    v_cache = torch.zeros(num_blocks, block, stored_heads, head_dim, dtype=dtype)[:, :, ::2 if head_slice else 1]
+    slots = torch.tensor([int(tables[i, p // block]) * block + p % block
+                          for i, (ctx, _) in enumerate(rows) for p in range(ctx)])
+    reference_write_kv(k_cache, v_cache, torch.randn(len(slots), kv_heads, head_dim, generator=g).to(dtype),
+                       torch.randn(len(slots), kv_heads, head_dim, generator=g).to(dtype), slots)
+    q = torch.randn(sum(n for _, n in rows) + pad_tokens, q_heads, head_dim, generator=g).to(dtype)
+    qsl = torch.tensor([0] + [sum(n for _, n in rows[: i + 1]) for i in range(len(rows))], dtype=torch.int32)
+    return q, k_cache, v_cache, qsl, torch.tensor([c for c, _ in rows], dtype=torch.int32), tables
+
+
+# decode rows on both sides of block boundaries, a 1-token context, a fresh prefill, a chunk after a prefix
+RAGGED = [(15, 1), (16, 1), (17, 1), (1, 1), (33, 1), (20, 20), (40, 7), (64, 1)]
+
+
+def test_the_kernels_are_what_the_cpu_dispatch_runs():
+    for op, body in ops.cpu.CPP_BODIES.items():
+        assert _registry.impl(op, CPU) is body
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_attention_matches_reference_on_ragged_batch(dtype, group, head_dim):
+    kv_heads = 2
+    q, kc, vc, qsl, ctx, tables = _paged(RAGGED, kv_heads * group, kv_heads, head_dim, dtype, pad_tokens=3,
+                                         seed=group + head_dim)
+    scale = head_dim ** -0.5
+    got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, scale)
+    want = reference_paged_attention(q, kc, vc, qsl, ctx, tables, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert not got[int(qsl[-1]):].any()                  # padding tokens stay zero
+
+
+@pytest.mark.parametrize("block", [1, 8, 16, 32])
+def test_paged_attention_decode_with_strided_caches_and_any_block_size(block):
+    rows = [(block, 1), (block + 1, 1), (3 * block - 1, 1), (2, 1)]
+    q, kc, vc, qsl, ctx, tables = _paged(rows, 8, 2, 64, torch.float32, block=block, head_slice=True, seed=block)
+    assert not kc.is_contiguous()
+    got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
+    torch.testing.assert_close(got, reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125),
+                               **TOL[torch.float32])
+
+
+def test_paged_attention_rejects_a_table_entry_outside_the_cache():
+    q, kc, vc, qsl, ctx, tables = _paged([(20, 1)], 4, 2, 64, torch.float32)
+    tables[0, 1] = kc.shape[0]                           # position 16..19 now point past the cache
+    with pytest.raises(RuntimeError, match="outside the cache's"):
+        pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_matches_reference_and_skips_padding(dtype):
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(6, 16, 4, 64, generator=g).to(dtype)[:, :, 1:3]      # strided views of wider caches
+    v_cache = torch.randn(6, 16, 4, 64, generator=g).to(dtype)[:, :, 1:3]
+    k, v = torch.randn(7, 2, 64, generator=g).to(dtype), torch.randn(7, 2, 64, generator=g).to(dtype)
+    slots = torch.tensor([95, -1, 0, 15, 16, -1, 47])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    reference_write_kv(want_k, want_v, k, v, slots)
+    pagedserve.write_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(k_cache[5, 15], k[0]) and torch.equal(v_cache[1, 0], v[4])   # 95 = 5*16+15, 16 = 1*16+0
+
+
+def test_write_kv_rejects_a_slot_past_the_cache_and_writes_nothing():
+    cache = torch.zeros(2, 16, 1, 8)
+    with pytest.raises(ops.OpInputError, match="slot 32 is past the cache's last slot 31"):
+        pagedserve.write_kv(cache, cache.clone(), torch.ones(2, 1, 8), torch.ones(2, 1, 8), torch.tensor([3, 32]))
+    assert not cache.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(64, 64), (128, 128), (128, 32)])
+def test_rotary_equals_the_torch_body_bit_for_bit(dtype, head_dim, rotary_dim):
+    g = torch.Generator().manual_seed(head_dim + rotary_dim)
+    q = (torch.randn(11, 8, head_dim, generator=g) * 4).to(dtype)
+    k = (torch.randn(11, 2, head_dim, generator=g) * 4).to(dtype)
+    positions = torch.randint(0, 4096, (11,), generator=g)
+    table = rope_cos_sin(4096, rotary_dim, 1e6)
+    got = pagedserve.rotary(q, k, positions, table, rotary_dim)
+    for a, b in zip(got, torch_rotary(q, k, positions, table, rotary_dim)):
+        assert torch.equal(a, b)
+    for a, b in zip(got, reference_rotary(q, k, positions, table, rotary_dim)):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+
+
+def test_rotary_rejects_a_position_past_the_table():
+    q, k = torch.randn(2, 2, 16), torch.randn(2, 1, 16)
+    with pytest.raises(ops.OpInputError, match=r"positions must lie in \[0, 8\).*got 8"):
+        pagedserve.rotary(q, k, torch.tensor([1, 8]), rope_cos_sin(8, 16, 1e4), 16)
+
+
+def test_failed_build_logs_one_line_and_keeps_the_torch_bodies(monkeypatch, caplog):
+    def no_compiler():
+        raise RuntimeError("Error building extension 'pagedserve_cpu': g++: not found\nmore compiler output")
+
+    monkeypatch.setattr(ops.cpu, "_lib", None)
+    monkeypatch.setattr(ops.cpu.build, "load_extension", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="ops.cpu"):
+        assert ops.cpu.install() is False
+    [record] = caplog.records
+    assert "C++ CPU kernels unavailable" in record.getMessage() and "g++: not found" in record.getMessage()
+    assert "\n" not in record.getMessage()
+    for op, body in ops.cpu.TORCH_BODIES.items():
+        assert _registry.impl(op, CPU) is body
+    q, kc, vc, qsl, ctx, tables = _paged([(17, 1), (9, 3)], 4, 2, 64, torch.float32)
+    torch.testing.assert_close(pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125),
+                               reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125), **TOL[torch.float32])
+
+
+def test_switch_off_skips_the_build(monkeypatch, caplog):
+    monkeypatch.setenv(ops.cpu.ENV_SWITCH, "0")
+    monkeypatch.setattr(ops.cpu.build, "load_extension", lambda: pytest.fail("the switch did not skip the build"))
+    with caplog.at_level(logging.WARNING, logger="ops.cpu"):
+        assert ops.cpu.install() is False
+    assert not caplog.records
+    assert _registry.impl("paged_attention", CPU) is ops.cpu.TORCH_BODIES["paged_attention"]
