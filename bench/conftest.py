@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR.parent))     # `engine` from this checkout, also without `pip -e`
@@ -25,6 +26,9 @@ def pytest_addoption(parser):
                     help="random checkpoint to measure: 0.6b (Qwen3-0.6B shapes) or mini (4 layers)")
     group.addoption("--bench-new-tokens", type=int, default=128,
                     help="new tokens per request in the serving load runs (fewer for quick runs)")
+    group.addoption("--bench-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="dtype of ours and of the transformers baseline; auto = the engine's choice "
+                         "(bfloat16 where the CPU has fast bf16, else float32)")
 
 
 def pytest_configure(config):
@@ -45,27 +49,37 @@ def bench_new_tokens(request) -> int:
 
 
 @pytest.fixture(scope="session")
+def bench_dtype(request) -> str:
+    """The dtype name every measurement in this run uses, engine and baseline alike."""
+    choice = request.config.getoption("--bench-dtype")
+    if choice != "auto":
+        return choice
+    from engine.builder import cpu_has_fast_bf16
+    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+
+
+@pytest.fixture(scope="session")
 def bench_checkpoint(request) -> Path:
     return bench_model_dir(request.config.getoption("--bench-model"))
 
 
 @pytest.fixture(scope="session", autouse=True)
-def machine(bench_report):
+def machine(bench_report, bench_dtype):
     """Measured once, first, before any model is in memory."""
-    m = measure_machine()
+    m = measure_machine(dtype=getattr(torch, bench_dtype))
     bench_report.machine = asdict(m)
     bench_report.add("machine", "memory bandwidth", m.bandwidth_gb_s, "GB/s",
                      note=f"tensor copy/sum, {m.threads} threads, best of 5")
-    bench_report.add("machine", f"bf16 GEMM {m.gemm_size}^3", m.gemm_gflop_s, "GFLOP/s",
+    bench_report.add("machine", f"{bench_dtype} GEMM {m.gemm_size}^3", m.gemm_gflop_s, "GFLOP/s",
                      note=f"{m.threads} threads, best of 5")
     return m
 
 
 @pytest.fixture(scope="session")
-def hf_model(bench_checkpoint):
+def hf_model(bench_checkpoint, bench_dtype):
     from hf_baseline import hf_generate_s, load_hf_model
 
-    model = load_hf_model(bench_checkpoint)
+    model = load_hf_model(bench_checkpoint, getattr(torch, bench_dtype))
     hf_generate_s(model, [[5] * 8], 2)        # first-call costs stay out of the measurements
     yield model
     del model

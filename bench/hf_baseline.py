@@ -6,10 +6,10 @@ import time
 import torch
 
 
-def load_hf_model(path):
+def load_hf_model(path, dtype: torch.dtype):
     from transformers import Qwen3ForCausalLM
 
-    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    return Qwen3ForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def hf_generate_s(model, prompts: list[list[int]], new_tokens: int) -> float:

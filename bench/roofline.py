@@ -77,9 +77,10 @@ def measure_gemm_gflop_s(n: int = 2048, repeats: int = 5, dtype: torch.dtype = t
         size *= 2
 
 
-def measure_machine(threads: int = ROOFLINE_THREADS) -> MachineRoofline:
+def measure_machine(threads: int = ROOFLINE_THREADS, dtype: torch.dtype = torch.bfloat16
+                    ) -> MachineRoofline:
     with torch_threads(threads), torch.inference_mode():
-        gflop_s, size = measure_gemm_gflop_s()
+        gflop_s, size = measure_gemm_gflop_s(dtype=dtype)
         return MachineRoofline(bandwidth_gb_s=measure_bandwidth_gb_s(), gemm_gflop_s=gflop_s,
                                gemm_size=size, threads=threads)
 

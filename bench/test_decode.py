@@ -40,8 +40,8 @@ class _Timed:
 
 
 @pytest.fixture(scope="module")
-def llm(bench_checkpoint):
-    llm = LLM(model=str(bench_checkpoint), dtype="bfloat16", max_concurrency=max(BATCHES),
+def llm(bench_checkpoint, bench_dtype):
+    llm = LLM(model=str(bench_checkpoint), dtype=bench_dtype, max_concurrency=max(BATCHES),
               max_model_len=MAX_MODEL_LEN, kv_pool_tokens=max(BATCHES) * MAX_MODEL_LEN, threads=0)
     yield llm
     llm.close()

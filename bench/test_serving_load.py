@@ -22,8 +22,8 @@ KV_POOL_TOKENS = 8192
 
 
 @pytest.fixture(scope="module")
-def serving_loop(bench_checkpoint):
-    llm = LLM(model=str(bench_checkpoint), dtype="bfloat16", max_concurrency=max(CONCURRENCY),
+def serving_loop(bench_checkpoint, bench_dtype):
+    llm = LLM(model=str(bench_checkpoint), dtype=bench_dtype, max_concurrency=max(CONCURRENCY),
               max_model_len=MAX_MODEL_LEN, kv_pool_tokens=KV_POOL_TOKENS, threads=0)
     loop = llm.engine.loop
     loop.start()

@@ -61,7 +61,7 @@ class EngineConfig:
     model: str = _key("qwen2.5-coder-1.5b", "a non-empty string: a preset name, a checkpoint dir or a .gguf file",
                       bool, "the model to serve: a preset name (`pagedserve models`), a Hugging Face checkpoint dir or a .gguf file")
     dtype: str = _choice("auto", ("auto", "bfloat16", "float32", "float16"),
-                         "weights and activations dtype; auto = bfloat16 on CPU (fp16 has no fast CPU path)")
+                         "weights and activations dtype; auto = bfloat16 on GPUs and on CPUs with fast bf16 (AVX-512 BF16, AMX), else float32")
     device: str = _choice("auto", ("auto", "cpu", "cuda"), "where to run; auto = cuda when a GPU is visible, else cpu")
     max_concurrency: int = _key(8, "an integer >= 1", lambda v: v >= 1,
                                 "most requests decoded at once (rows per step)")
@@ -72,6 +72,7 @@ class EngineConfig:
     max_model_len: int = _key(0, "an integer >= 0 (0 = the model's own limit)", lambda v: v >= 0,
                               "longest prompt + output in tokens; 0 = the model's own limit")
     compile: bool = _key(False, "true or false", lambda v: True, "run the model under torch.compile")
+    prefix_cache: bool = _key(True, "true or false", lambda v: True, "reuse K/V blocks of prompts seen before")
     threads: int = _key(0, "an integer >= 0 (0 = all cores)", lambda v: v >= 0, "CPU threads for torch; 0 = all cores")
     max_waiting: int = _key(256, "an integer >= 1", lambda v: v >= 1,
                             "most requests queued before the server answers 503")

@@ -22,7 +22,8 @@ class PrefillBudget:
     def for_device(cls, device: torch.device, dtype: torch.dtype) -> "PrefillBudget":
         if device.type == "cuda":
             return cls(idle_total=8192, mixed_total=2048, quantum=512)
-        # measured on the target CPUs: ~34 GB/s memory, ~420 GFLOP/s bf16 GEMM (~190 fp32)
+        # measured on Zen4 CPUs: ~34 GB/s memory, ~420 GFLOP/s bf16 GEMM (~190 fp32); slower CPUs
+        # have a lower balance, and the 16-token floor below covers them
         flops = 420e9 if dtype == torch.bfloat16 else 190e9
         balance = flops / 34e9            # tokens one weight pass can carry "for free"
         mixed = max(16, int(round(balance / 16)) * 16)
@@ -31,9 +32,10 @@ class PrefillBudget:
 
 class ModelRunner:
     def __init__(self, model, pool, *, max_rows: int, max_model_len: int,
-                 budget: PrefillBudget, seed: int | None = None):
+                 budget: PrefillBudget, seed: int | None = None, state_pool=None):
         self.model = model
         self.pool = pool
+        self.state_pool = state_pool      # engine.kv.pool.StatePool for hybrid models, else None
         self.max_rows = max_rows
         self.max_model_len = max_model_len
         self.budget = budget
@@ -48,12 +50,21 @@ class ModelRunner:
         total = self.budget.mixed_total if decode_rows else self.budget.idle_total
         return EngineLimits(
             max_rows=self.max_rows, block_size=self.pool.shape.block_size,
-            num_blocks=self.pool.num_blocks, num_state_slots=0, max_model_len=self.max_model_len,
+            num_blocks=self.pool.num_blocks, num_state_slots=self.state_pool.num_slots if self.state_pool else 0,
+            max_model_len=self.max_model_len,
             max_prefill_rows=self.max_rows, max_prefill_tokens_per_row=total,
             max_prefill_tokens_total=total, prefill_quantum=min(self.budget.quantum, total))
 
     def reset_state(self, slot: int) -> None:
-        """Attention-only models keep no recurrent state."""
+        """Zero a recurrent-state slot before a request uses it (attention-only models keep none)."""
+        if self.state_pool is not None:
+            self.state_pool.reset(slot)
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        """Copy one slot's recurrent state into another (prefix-cache checkpoints)."""
+        if self.state_pool is None:
+            raise ValueError("this model keeps no recurrent state: there are no state slots to copy")
+        self.state_pool.copy(src_slot, dst_slot)
 
     def _row_error(self, row: PlanRow) -> str | None:
         vocab = self.model.cfg.vocab_size
@@ -95,7 +106,13 @@ class ModelRunner:
         if rows:
             try:
                 with torch.inference_mode():
-                    hidden = self.model.forward(self._batch(rows), self.pool.layers)
+                    batch = self._batch(rows)
+                    if self.state_pool is None:
+                        hidden = self.model.forward(batch, self.pool.layers)
+                    else:
+                        slots = torch.tensor([-1 if r.state_slot is None else r.state_slot for r in rows],
+                                             dtype=torch.int32, device=self.device)
+                        hidden = self.model.forward(batch, self.pool.layers, self.state_pool.layers, slots)
                     sampling_rows = [r for r in rows if r.sample]
                     if sampling_rows:
                         picks = sample(self.model.logits(hidden), sampling_rows, self.generator)

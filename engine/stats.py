@@ -43,6 +43,16 @@ class SchedulerStats:
     itl_p50_s: float | None
     itl_p99_s: float | None
     requests: tuple[RequestRow, ...]
+    # prefix cache: prompt tokens looked up at admission (recomputes after preemption included)
+    # and how many of them were served from cached blocks
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_hit_rate: float = 0.0    # hit / query tokens; 0.0 before the first lookup
+    cached_blocks: int = 0                  # blocks whose K/V is indexed (held or idle)
+    cache_evictions_total: int = 0          # idle cached blocks reused for other tokens
+    checkpoints: int = 0                    # hybrid models: state slots holding a checkpoint
+    checkpoint_hits_total: int = 0          # admissions that resumed from a checkpoint
+    checkpoint_evictions_total: int = 0
 
 
 def percentile(samples, p: float) -> float | None:

@@ -1,14 +1,19 @@
 """A scripted SeqEngine for scheduler tests: no model, deterministic tokens, injectable failures.
 
 It keeps a fake paged K/V store: each fed token is written to (block, offset) from the row's block
-table, and a sampled token is a hash of the request id and the tokens READ BACK through the block
-table. So a wrong block table, a block shared by two requests or a lost block changes the output
-(or raises), and outputs are a pure function of (request, previous tokens) as the tests need.
-With state slots it checks that a slot is reset before a request starts and never shared.
+table together with a digest of the prefix it was computed on (the digest READ BACK at the previous
+position, like attention reads earlier K/V), and a sampled token is a hash of the request id and the
+digest at the last position. So a wrong block table, a block overwritten by another request or a
+lost block changes the output (or raises), while blocks shared through the prefix cache hold the
+same digests as recomputed ones: outputs are a pure function of (request, previous tokens).
+With state slots it models the recurrent state as a digest of every token fed into the slot, which
+also feeds the sampled token: a slot that was not reset, or a wrong checkpoint restore
+(copy_state), changes the output; a slot must be at the row's start position and never shared.
 """
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -17,9 +22,21 @@ from engine.request import Request, SamplingParams
 from engine.scheduler import Event, Scheduler
 
 
-def fake_token(request_id: str, history: tuple[int, ...], vocab: int) -> int:
-    digest = hashlib.blake2b(f"{request_id}|{history}".encode(), digest_size=8).digest()
+def fake_token(request_id: str, context: bytes, vocab: int) -> int:
+    digest = hashlib.blake2b(request_id.encode() + b"|" + context, digest_size=8).digest()
     return int.from_bytes(digest, "little") % vocab
+
+
+def fold(prefix: bytes, token: int) -> bytes:
+    """The digest of a prefix extended by one token: fake K/V and fake recurrent state."""
+    return hashlib.blake2b(prefix + token.to_bytes(8, "little", signed=True), digest_size=8).digest()
+
+
+@dataclass
+class _SlotState:
+    digest: bytes = b""
+    position: int = 0
+    user: str | None = None     # the request feeding it since its last reset or restore
 
 
 @dataclass
@@ -44,10 +61,11 @@ class FakeEngine:
     plans: list[StepPlan] = field(default_factory=list)
     limit_calls: list[int] = field(default_factory=list)
     resets: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._kv: dict[tuple[int, int], tuple[str, int]] = {}
-        self._slot_owner: dict[int, tuple[str, int] | None] = {}
+        self._kv: dict[tuple[int, int], tuple[int, bytes]] = {}    # (block, offset) -> (token, digest)
+        self._slots: dict[int, _SlotState] = {}
 
     def limits(self, decode_rows: int) -> EngineLimits:
         self.limit_calls.append(decode_rows)
@@ -61,7 +79,15 @@ class FakeEngine:
     def reset_state(self, slot: int) -> None:
         assert 0 <= slot < self.num_state_slots, f"slot {slot} out of range"
         self.resets.append(slot)
-        self._slot_owner[slot] = None
+        self._slots[slot] = _SlotState()
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        for slot in (src_slot, dst_slot):
+            assert 0 <= slot < self.num_state_slots, f"slot {slot} out of range"
+        assert src_slot != dst_slot and src_slot in self._slots, f"bad copy {src_slot} -> {dst_slot}"
+        self.copies.append((src_slot, dst_slot))
+        src = self._slots[src_slot]
+        self._slots[dst_slot] = _SlotState(src.digest, src.position)
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
@@ -79,23 +105,27 @@ class FakeEngine:
             return RowOutput(row.request_id, error=f"injected row error for {row.request_id}")
         bs = self.block_size
         assert len(row.block_table) * bs >= row.end_pos, f"{row.request_id}: block table too short"
+        state = None
         if row.state_slot is not None:
-            owner = self._slot_owner.get(row.state_slot)
-            expected = None if row.start_pos == 0 else (row.request_id, row.start_pos)
-            assert owner == expected, f"slot {row.state_slot} holds {owner}, expected {expected}"
-            self._slot_owner[row.state_slot] = (row.request_id, row.end_pos)
+            slot = self._slots.get(row.state_slot)
+            assert slot is not None, f"slot {row.state_slot} was never reset"
+            assert slot.position == row.start_pos, (f"slot {row.state_slot} holds the state at "
+                                                    f"{slot.position}, the row starts at {row.start_pos}")
+            assert slot.user in (None, row.request_id), f"slot {row.state_slot} is shared with {slot.user}"
+            for tok in row.token_ids:
+                slot.digest = fold(slot.digest, tok)
+            slot.position, slot.user, state = row.end_pos, row.request_id, slot.digest
         for i, tok in enumerate(row.token_ids):
             pos = row.start_pos + i
-            self._kv[(row.block_table[pos // bs], pos % bs)] = (row.request_id, tok)
+            prefix = self._kv[(row.block_table[(pos - 1) // bs], (pos - 1) % bs)][1] if pos else b""
+            self._kv[(row.block_table[pos // bs], pos % bs)] = (tok, fold(prefix, tok))
         if not row.sample:
             return RowOutput(row.request_id)
-        history = []
-        for pos in range(row.end_pos):
-            owner, tok = self._kv[(row.block_table[pos // bs], pos % bs)]
-            assert owner == row.request_id, f"{row.request_id} reads {owner}'s K/V at position {pos}"
-            history.append(tok)
+        context = self._kv[(row.block_table[(row.end_pos - 1) // bs], (row.end_pos - 1) % bs)][1]
+        # a correct state folds the same tokens as the K/V chain; any other state changes the token
+        stray = b"" if state in (None, context) else b"stray" + state
         token = self.forced.get((row.request_id, row.sample_index),
-                                fake_token(row.request_id, tuple(history), self.vocab))
+                                fake_token(row.request_id, context + stray, self.vocab))
         if self.honor_bans and token in row.banned_token_ids:   # like a sampler's mask: take the next allowed id
             token = next(t for t in range(self.vocab) if t not in row.banned_token_ids)
         return RowOutput(row.request_id, token=token)
@@ -122,17 +152,23 @@ def make_request(rid: str, n: int, max_tokens: int = 8, eos: tuple[int, ...] = (
     return Request(rid, prompt(n, seed), SamplingParams(max_tokens=max_tokens, **params), eos)
 
 
-def make_scheduler(max_waiting: int | None = None, **engine_kw) -> tuple[Scheduler, FakeEngine, ManualClock]:
+def make_scheduler(max_waiting: int | None = None, prefix_cache: bool = False,
+                   **engine_kw) -> tuple[Scheduler, FakeEngine, ManualClock]:
     engine, clock = FakeEngine(**engine_kw), ManualClock()
-    return Scheduler(engine, max_waiting=max_waiting, clock=clock), engine, clock
+    sched = Scheduler(engine, max_waiting=max_waiting, clock=clock, prefix_cache=prefix_cache)
+    return sched, engine, clock
 
 
 def check_invariants(sched: Scheduler) -> None:
-    """Blocks owned once, pool accounting closed, concurrency bounded."""
+    """Blocks owned once (or shared exactly by their reference count), pool accounting closed,
+    concurrency bounded."""
     st = sched.stats()
     assert st.blocks_used + st.blocks_free + st.blocks_reserved == st.blocks_total
-    owned = [b for r in sched._running for b in r.block_ids]
-    assert len(owned) == len(set(owned)) == st.blocks_used, "a block is owned twice or leaked"
+    owned = Counter(b for r in sched._running for b in r.block_ids)
+    assert len(owned) == st.blocks_used, "a block is leaked"
+    for block, holders in owned.items():
+        assert holders == sched._allocator.refcount(block), f"block {block}: refcount != holders"
+        assert holders == 1 or sched._allocator.cache.is_cached(block), f"uncached block {block} shared"
     slots = [r.state_slot for r in sched._running if r.state_slot is not None]
     assert len(slots) == len(set(slots)) == st.slots_used
     assert st.running + st.paused <= sched._limits.max_rows

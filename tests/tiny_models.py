@@ -181,3 +181,120 @@ def hf_model(path: str | Path):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
+
+
+# ---------------------------------------------------------------- hybrid / MoE checkpoints
+
+# arch -> (transformers model class, config class); "qwen3_5_vl" is a real Qwen3.5 release layout:
+# Qwen3_5ForConditionalGeneration, text config under `text_config`, text weights under model.language_model.*
+HYBRID_ARCHITECTURES = {
+    "qwen3_5": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),
+    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig"),
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
+    "qwen3_5_vl": ("Qwen3_5ForConditionalGeneration", "Qwen3_5TextConfig"),
+}
+_ZERO_CENTRED = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "qwen3_5_vl")
+
+
+def _randomise_hybrid(model: torch.nn.Module, seed: int, zero_centred: bool) -> None:
+    """Like _randomise; (1 + weight) norms get weights near 0 so their scale is near 1 too. The gated
+    norm inside linear attention (`linear_attn.norm`) is a plain scale."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name and zero_centred and "linear_attn.norm" not in name:
+                value = 0.1 * noise
+            elif "norm" in name:
+                value = 1.0 + 0.1 * noise
+            else:
+                value = 0.15 * noise
+            param.copy_(value.to(param.dtype))
+
+
+def make_hybrid_checkpoint(
+    directory: str | Path,
+    arch: str = "qwen3_5",
+    *,
+    tied: bool = False,
+    hidden: int = 64,
+    layer_types: tuple[str, ...] = ("linear_attention", "full_attention", "linear_attention", "full_attention"),
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    linear_heads: tuple[int, int] = (2, 4),     # (key heads, value heads)
+    linear_dims: tuple[int, int] = (16, 8),     # (key head dim, value head dim)
+    intermediate: int = 96,
+    experts: int = 4,
+    top_k: int = 2,
+    moe_intermediate: int = 32,
+    shared_intermediate: int = 48,
+    vocab: int | None = None,
+    max_pos: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write a random checkpoint of a hybrid (Gated DeltaNet + gated attention) or MoE architecture."""
+    import transformers
+
+    if arch not in HYBRID_ARCHITECTURES:
+        raise ValueError(f"arch {arch!r}: choose one of {sorted(HYBRID_ARCHITECTURES)}")
+    directory = Path(directory)
+    im_end, endoftext = special_token_id("<|im_end|>"), special_token_id("<|endoftext|>")
+    vocab = vocab or -(-tokenizer_size() // 64) * 64
+    model_name, config_name = HYBRID_ARCHITECTURES[arch]
+    kwargs = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=len(layer_types),
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=max_pos, rms_norm_eps=1e-6, tie_word_embeddings=tied,
+                  bos_token_id=None, eos_token_id=im_end, pad_token_id=endoftext)
+    if arch == "qwen3_moe":
+        kwargs.update(intermediate_size=intermediate, num_experts=experts, num_experts_per_tok=top_k,
+                      moe_intermediate_size=moe_intermediate, norm_topk_prob=bool(seed % 2))
+    else:
+        kwargs.update(layer_types=list(layer_types), linear_num_key_heads=linear_heads[0],
+                      linear_num_value_heads=linear_heads[1], linear_key_head_dim=linear_dims[0],
+                      linear_value_head_dim=linear_dims[1], linear_conv_kernel_dim=4,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                       "partial_rotary_factor": 0.25})
+        if arch in ("qwen3_next", "qwen3_5_moe"):
+            kwargs.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_intermediate,
+                          shared_expert_intermediate_size=shared_intermediate)
+        if arch != "qwen3_5_moe":
+            kwargs.update(intermediate_size=intermediate)
+        if arch == "qwen3_next":    # layer 0 keeps a dense MLP: mlp_only_layers must be honoured
+            kwargs.update(mlp_only_layers=[0], norm_topk_prob=True)
+    text_config = getattr(transformers, config_name)(**kwargs)
+    if arch == "qwen3_5_vl":
+        vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=hidden,
+                      patch_size=2, spatial_merge_size=1, temporal_patch_size=1)
+        config = transformers.Qwen3_5Config(text_config=text_config.to_dict(), vision_config=vision,
+                                            tie_word_embeddings=tied)
+    else:
+        config = text_config
+    model = getattr(transformers, model_name)(config)
+    _randomise_hybrid(model, seed, arch in _ZERO_CENTRED)
+    model.save_pretrained(directory, safe_serialization=True)
+    if arch == "qwen3_5_vl":
+        # as in the real releases: only the top level says whether the embeddings are tied
+        file = directory / "config.json"
+        saved = json.loads(file.read_text())
+        saved["text_config"].pop("tie_word_embeddings", None)
+        file.write_text(json.dumps(saved, indent=2))
+    build_tokenizer(directory)
+    generation = {"eos_token_id": [im_end, endoftext], "pad_token_id": endoftext, "bos_token_id": None}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return directory
+
+
+def hf_hybrid_model(path: str | Path):
+    """The transformers oracle for a hybrid checkpoint dir, fp32, eval mode. For a multimodal Qwen3.5
+    checkpoint, AutoModelForCausalLM ignores the top-level `tie_word_embeddings` (KNOWN-TRAPS): copy it
+    into text_config so the oracle's lm_head is the one the checkpoint means."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "text_config"):
+        config.text_config.tie_word_embeddings = config.tie_word_embeddings
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    return model.eval()

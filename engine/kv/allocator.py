@@ -1,14 +1,19 @@
-"""Who owns which K/V block: lowest free block first, transactional, generation-checked handles,
-private reservations. No torch: the pool's tensors live in engine/kv/pool.py.
+"""Who owns which K/V block: lowest free block first, transactional, grant-checked handles,
+private reservations, reference counts for blocks shared through the prefix cache. No torch: the
+pool's tensors live in engine/kv/pool.py.
 
-A block is "free" (anyone may allocate it), "reserved" (set aside for one Reservation, still in the
-free heap but not allocatable by others) or "used" (held through a BlockHandle).
+A block is "free" (anyone may allocate it), "reserved" (set aside for one Reservation, not
+allocatable by others) or "used" (held through one or more BlockHandles). With a PrefixCache, a
+cached block that nobody holds is "idle": free, reusable by a hit until it is evicted (least
+recently used first, and only when no uncached free block is left).
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
 from typing import Iterable
+
+from engine.kv.prefix_cache import PrefixCache
 
 
 class OutOfBlocks(RuntimeError):
@@ -21,8 +26,8 @@ class StaleHandleError(RuntimeError):
 
 @dataclass(frozen=True)
 class BlockHandle:
-    """Ownership of one block. `generation` changes each time the block is freed, so an old
-    handle can never free or name a block that was re-allocated to someone else."""
+    """One holder's share of one block. `generation` is unique to this grant, so a freed handle can
+    never free or name the block again, even while other holders still share it."""
     block_id: int
     generation: int
 
@@ -59,19 +64,20 @@ class Reservation:
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, cache: PrefixCache | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         self.num_blocks = num_blocks
-        self._heap = list(range(num_blocks))     # free and reserved block ids; sorted = a valid heap
-        self._generation = [0] * num_blocks
-        self._used = [False] * num_blocks
+        self.cache = cache
+        self._heap = list(range(num_blocks))     # free uncached block ids; sorted = a valid heap
+        self._holders: list[set[int]] = [set() for _ in range(num_blocks)]   # live grant numbers
+        self._grants = 0
         self._reserved = 0
 
     @property
     def num_free(self) -> int:
-        """Blocks anyone may allocate now (reserved ones excluded)."""
-        return len(self._heap) - self._reserved
+        """Blocks anyone may allocate now: uncached free plus idle cached, reserved ones excluded."""
+        return len(self._heap) + self._idle() - self._reserved
 
     @property
     def num_reserved(self) -> int:
@@ -79,10 +85,14 @@ class BlockAllocator:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._heap)
+        """Blocks held by at least one handle."""
+        return self.num_blocks - len(self._heap) - self._idle()
+
+    def refcount(self, block_id: int) -> int:
+        return len(self._holders[block_id])
 
     def allocate(self, n: int) -> list[BlockHandle]:
-        """n blocks, lowest ids first; all or nothing."""
+        """n blocks, lowest uncached ids first, then evicted idle cached ones; all or nothing."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > self.num_free:
@@ -100,30 +110,50 @@ class BlockAllocator:
         self._reserved += n
         return Reservation(self, n)
 
+    def share(self, block_id: int) -> BlockHandle:
+        """Hold a cached block found by a prefix-cache lookup (used by others, or idle)."""
+        if self.cache is None or not self.cache.is_cached(block_id):
+            raise StaleHandleError(f"block {block_id} is not in the prefix cache; only cached blocks "
+                                   "are shared (look it up again)")
+        if self.cache.is_idle(block_id):
+            if self.num_free < 1:
+                raise OutOfBlocks(f"reviving idle block {block_id} needs a free block; "
+                                  f"{self._reserved} of the free blocks are reserved")
+            self.cache.revive(block_id)
+        return self._grant(block_id)
+
     def check(self, handle: BlockHandle) -> int:
-        """The block id of a live handle; StaleHandleError if its block was freed since."""
+        """The block id of a live handle; StaleHandleError if it was freed since."""
         bid = handle.block_id
-        if not (0 <= bid < self.num_blocks and self._used[bid]
-                and self._generation[bid] == handle.generation):
+        if not (0 <= bid < self.num_blocks and handle.generation in self._holders[bid]):
             raise StaleHandleError(f"handle for block {bid} (generation {handle.generation}) is stale: "
-                                   "the block was freed (and maybe re-allocated) since")
+                                   "it was freed (and the block maybe re-allocated) since")
         return bid
 
     def free(self, handles: Iterable[BlockHandle]) -> None:
-        """Return blocks to the pool; all or nothing (one stale or repeated handle frees none)."""
+        """Let go of blocks; all or nothing (one stale or repeated handle frees none). A block whose
+        last holder lets go returns to the free heap, or stays idle in the cache if cached."""
         handles = list(handles)
         ids = [self.check(h) for h in handles]
         if len(set(ids)) != len(ids):
             raise StaleHandleError(f"the same block is freed twice in one call: {sorted(ids)}")
-        for bid in ids:
-            self._used[bid] = False
-            self._generation[bid] += 1
-            heapq.heappush(self._heap, bid)
+        for h in handles:
+            holders = self._holders[h.block_id]
+            holders.remove(h.generation)
+            if not holders and (self.cache is None or not self.cache.park(h.block_id)):
+                heapq.heappush(self._heap, h.block_id)
+
+    def _idle(self) -> int:
+        return 0 if self.cache is None else self.cache.num_idle
+
+    def _grant(self, bid: int) -> BlockHandle:
+        self._grants += 1
+        self._holders[bid].add(self._grants)
+        return BlockHandle(bid, self._grants)
 
     def _pop(self) -> BlockHandle:
-        bid = heapq.heappop(self._heap)
-        self._used[bid] = True
-        return BlockHandle(bid, self._generation[bid])
+        bid = heapq.heappop(self._heap) if self._heap else self.cache.evict()
+        return self._grant(bid)
 
     def _take_reserved(self) -> BlockHandle:
         self._reserved -= 1

@@ -1,4 +1,5 @@
-"""The K/V cache tensors, and how many blocks fit in the memory left after the weights."""
+"""The K/V cache tensors, the recurrent-state slot tensors of hybrid models, and how many K/V blocks fit
+in the memory left after the weights and the state slots."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,9 +35,10 @@ def available_bytes(device: torch.device) -> int:
 
 def plan_num_blocks(shape: KVShape, *, kv_pool_tokens: int, max_concurrency: int,
                     max_model_len: int, device: torch.device, reserve_fraction: float = 0.1,
-                    reserve_min_bytes: int = 1 << 30) -> int:
-    """Blocks for the pool: the user's token count, else what free memory holds (minus a reserve),
-    capped at max_concurrency full-length sequences; never less than one full-length sequence."""
+                    reserve_min_bytes: int = 1 << 30, state_bytes: int = 0) -> int:
+    """Blocks for the pool: the user's token count, else what free memory holds (minus a reserve and
+    the `state_bytes` of recurrent-state slots), capped at max_concurrency full-length sequences;
+    never less than one full-length sequence."""
     bs = shape.block_size
     per_seq = -(-max_model_len // bs) + 1          # a full-length sequence plus its spare block
     if kv_pool_tokens:
@@ -44,7 +46,7 @@ def plan_num_blocks(shape: KVShape, *, kv_pool_tokens: int, max_concurrency: int
         source = f"kv_pool_tokens = {kv_pool_tokens:,}"
     else:
         free = available_bytes(device)
-        usable = free - max(reserve_min_bytes, int(free * reserve_fraction))
+        usable = free - max(reserve_min_bytes, int(free * reserve_fraction)) - state_bytes
         blocks = max(0, usable // shape.bytes_per_block)
         blocks = min(blocks, per_seq * max_concurrency)
         source = (f"{free / 2**30:.1f} GiB free memory ({shape.bytes_per_block:,} "
@@ -72,3 +74,63 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.shape.bytes_per_block
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """Per linear-attention layer and slot: the conv inputs of the last K-1 tokens ([conv_dim, K-1], model
+    dtype) and the Gated DeltaNet state ([v_heads, k_dim, v_dim], fp32: it accumulates over the whole
+    sequence, so it is kept at full precision whatever the model dtype)."""
+    num_layers: int
+    conv_dim: int
+    conv_width: int          # kernel size - 1
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_slot(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = self.conv_dim * self.conv_width * elem + self.v_heads * self.k_dim * self.v_dim * 4
+        return self.num_layers * per_layer
+
+
+def plan_num_state_slots(max_concurrency: int, spare_slots: int = 0) -> int:
+    """One slot per running request, plus spares (prefix-cache checkpoints keep copies there)."""
+    return max_concurrency + spare_slots
+
+
+class StatePool:
+    """One (conv, ssm) pair of `[num_slots, ...]` tensors per linear-attention layer. A slot belongs to
+    one request (the scheduler assigns it); it is zeroed when assigned, and padding rows touch none."""
+
+    def __init__(self, shape: StateShape, num_slots: int, device: torch.device):
+        self.shape = shape
+        self.num_slots = num_slots
+        conv = (num_slots, shape.conv_dim, shape.conv_width)
+        ssm = (num_slots, shape.v_heads, shape.k_dim, shape.v_dim)
+        self.layers = [(torch.zeros(conv, dtype=shape.dtype, device=device),
+                        torch.zeros(ssm, dtype=torch.float32, device=device))
+                       for _ in range(shape.num_layers)]
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"state slot {slot} is outside 0..{self.num_slots - 1}")
+
+    def reset(self, slot: int) -> None:
+        self._check(slot)
+        for conv, ssm in self.layers:
+            conv[slot].zero_()
+            ssm[slot].zero_()
+
+    def copy(self, src: int, dst: int) -> None:
+        self._check(src)
+        self._check(dst)
+        for conv, ssm in self.layers:
+            conv[dst].copy_(conv[src])
+            ssm[dst].copy_(ssm[src])
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.shape.bytes_per_slot

@@ -56,10 +56,14 @@ class Checkpoint:
         return name in self._weight_map
 
     def _locate(self, name: str) -> tuple[str, str]:
-        """(file, stored name) for a model tensor name: the one place a name mapping would go."""
-        if name not in self._weight_map:
-            raise CheckpointError(f"{self._listing}: tensor {name!r} is missing")
-        return self._weight_map[name], name
+        """(file, stored name) for a model tensor name: the one place a name mapping would go.
+        Multimodal Qwen3.5 checkpoints keep the text model's `model.*` under `model.language_model.*`."""
+        if name in self._weight_map:
+            return self._weight_map[name], name
+        nested = "model.language_model." + name.removeprefix("model.")
+        if name.startswith("model.") and nested in self._weight_map:
+            return self._weight_map[nested], nested
+        raise CheckpointError(f"{self._listing}: tensor {name!r} is missing")
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The tensor `name`, checked to have `shape`, cast once to `dtype`, contiguous."""

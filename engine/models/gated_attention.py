@@ -1,0 +1,56 @@
+"""The full-attention layer of hybrid / MoE decoders: Qwen3-style q/k RMSNorm, partial rotary, paged K/V,
+and (Qwen3-Next / Qwen3.5) a per-channel sigmoid output gate emitted by q_proj next to each query head."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import ops  # noqa: F401  registers torch.ops.pagedserve
+from engine.loading.model_config import ModelConfig
+from engine.models.batch import ForwardBatch
+
+pagedserve = torch.ops.pagedserve
+
+
+class GatedAttention:
+    def __init__(self, cfg: ModelConfig, get, norm, prefix: str):
+        self.cfg = cfg
+        h, d, heads = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+        self.q_size, self.kv_size = heads * d, cfg.num_kv_heads * d
+        self.gate_size = self.q_size if cfg.gated_attention else 0
+        self.scale = d ** -0.5
+
+        def q_rows(suffix: str, *tail: int) -> list[torch.Tensor]:
+            """[query rows, gate rows]: the checkpoint interleaves them per head (query d, gate d)."""
+            w = get(prefix + "q_proj." + suffix, self.q_size + self.gate_size, *tail)
+            if not cfg.gated_attention:
+                return [w, w.new_empty((0, *tail))]
+            w = w.view(heads, 2, d, *tail)
+            return [w[:, 0].reshape(self.q_size, *tail), w[:, 1].reshape(self.q_size, *tail)]
+
+        def proj(suffix: str, *tail: int) -> torch.Tensor:
+            query, gate = q_rows(suffix, *tail)
+            return torch.cat([query, get(prefix + "k_proj." + suffix, self.kv_size, *tail),
+                              get(prefix + "v_proj." + suffix, self.kv_size, *tail), gate])
+
+        self.qkvg_w = proj("weight", h)
+        self.qkvg_b = proj("bias") if cfg.qkv_bias else None
+        self.q_norm, self.k_norm = norm(prefix + "q_norm.weight", d), norm(prefix + "k_norm.weight", d)
+        self.o_w = get(prefix + "o_proj.weight", h, self.q_size)
+        self.tensors = [t for t in (self.qkvg_w, self.qkvg_b, self.q_norm, self.k_norm, self.o_w) if t is not None]
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv, cos_sin: torch.Tensor) -> torch.Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        qkvg = F.linear(x, self.qkvg_w, self.qkvg_b)
+        q, k, v, gate = qkvg.split([self.q_size, self.kv_size, self.kv_size, self.gate_size], dim=-1)
+        q = pagedserve.rms_norm(q.reshape(t, cfg.num_heads, cfg.head_dim), self.q_norm, cfg.rms_norm_eps)
+        k = pagedserve.rms_norm(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), self.k_norm, cfg.rms_norm_eps)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q, k = pagedserve.rotary(q, k, batch.positions, cos_sin, cfg.rotary_dim)
+        k_cache, v_cache = kv
+        pagedserve.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        o = pagedserve.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.context_lens,
+                                       batch.block_tables, self.scale).reshape(t, self.q_size)
+        if self.gate_size:
+            o = o * torch.sigmoid(gate)
+        return F.linear(o, self.o_w)

@@ -1,0 +1,223 @@
+"""Prefix caching against the scripted FakeEngine: hits, full-prompt hits, LRU eviction, hybrid
+checkpoints, and random workloads whose outputs must match cache-off runs. No model."""
+from __future__ import annotations
+
+from fake_engine import drain, make_request, make_scheduler, tokens
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.kv.allocator import BlockAllocator
+from engine.kv.prefix_cache import PrefixCache
+from engine.request import FinishReason, Request, SamplingParams
+
+
+def run_alone(rid: str, ids: tuple[int, ...], max_tokens: int, **engine_kw) -> list[int]:
+    """The reference: one request on a roomy engine without the cache."""
+    sched, _, _ = make_scheduler(num_blocks=200, **engine_kw)
+    sched.add(Request(rid, ids, SamplingParams(max_tokens=max_tokens)))
+    return tokens(drain(sched)[rid])
+
+
+def first_row(engine, rid: str):
+    return next(r for p in engine.plans for r in p.rows if r.request_id == rid)
+
+
+# ---- attention K/V ----------------------------------------------------------------------------------
+def test_a_follow_up_starts_after_the_cached_blocks_of_the_first_turn():
+    sched, engine, _ = make_scheduler(prefix_cache=True, block_size=4)
+    a = make_request("a", 10, max_tokens=5)
+    sched.add(a)
+    drain(sched)
+    a_table = first_row(engine, "a").block_table
+    # turn 2: prompt + reply + 3 new tokens = 18 tokens; the first 14 are computed K/V (the last
+    # reply token was never fed), so 3 full blocks (12 tokens) are cached
+    follow = Request("b", a.all_token_ids + (5, 6, 7), SamplingParams(max_tokens=4))
+    sched.add(follow)
+    events = drain(sched)
+    row = first_row(engine, "b")
+    assert row.start_pos == 12 and row.block_table[:3] == a_table[:2] + row.block_table[2:3]
+    assert row.block_table[:2] == a_table[:2]
+    assert tokens(events["b"]) == run_alone("b", follow.prompt_token_ids, 4, block_size=4)
+    st_ = sched.stats()
+    assert (st_.prefix_cache_query_tokens, st_.prefix_cache_hit_tokens) == (10 + 18, 12)
+    assert st_.prefix_cache_hit_rate == 12 / 28 and st_.blocks_used == 0
+
+
+def test_a_fully_cached_prompt_recomputes_its_last_block_to_sample():
+    sched, engine, _ = make_scheduler(prefix_cache=True, block_size=4)
+    sched.add(make_request("x", 8, max_tokens=3))
+    first = tokens(drain(sched)["x"])
+    sched.add(make_request("x", 8, max_tokens=3))     # same id and prompt: same fake outputs
+    again = drain(sched)["x"]
+    rows = [r for p in engine.plans for r in p.rows if r.request_id == "x" and r.kind.value == "prefill"]
+    assert [(r.start_pos, r.end_pos) for r in rows] == [(0, 8), (4, 8)]
+    assert tokens(again) == first and again[-1].finished is FinishReason.LENGTH
+
+
+def test_two_requests_share_blocks_and_reference_counts_follow():
+    sched, engine, _ = make_scheduler(prefix_cache=True, block_size=4, max_rows=2)
+    sched.add(make_request("a", 9, max_tokens=1))
+    drain(sched)
+    sched.add(make_request("b", 9, max_tokens=6))
+    sched.add(make_request("c", 10, max_tokens=6))
+    sched.step()
+    shared = first_row(engine, "b").block_table[:2]
+    assert first_row(engine, "c").block_table[:2] == shared
+    assert [sched._allocator.refcount(b) for b in shared] == [2, 2]
+    drain(sched)
+    assert [sched._allocator.refcount(b) for b in shared] == [0, 0]
+    assert sched.stats().cached_blocks >= 2 and sched.stats().blocks_used == 0
+
+
+def test_idle_cached_blocks_are_evicted_least_recently_used_first():
+    cache = PrefixCache(block_size=2)
+    alloc = BlockAllocator(4, cache)
+    chains = {}
+    for name, ids in {"p": (1, 2), "q": (3, 4), "r": (5, 6)}.items():
+        [h] = alloc.allocate(1)
+        chains[name] = cache.chain()
+        chains[name].extend(ids)
+        assert cache.insert(h.block_id, chains[name], 0, ids)
+        alloc.free([h])
+    assert (alloc.num_free, alloc.num_used, cache.num_idle) == (4, 0, 3)
+    alloc.free([alloc.share(cache.lookup((1, 2), chains["p"].hashes)[0])])   # p is used again
+    got = alloc.allocate(3)     # the uncached block first, then q (least recent), then r
+    assert [h.block_id for h in got] == [3, 1, 2] and cache.evictions == 2
+    assert cache.lookup((3, 4), chains["q"].hashes) == [] and cache.lookup((1, 2), chains["p"].hashes) == [0]
+
+
+def test_a_hash_collision_is_caught_by_the_token_check():
+    cache = PrefixCache(block_size=2)
+    alloc = BlockAllocator(2, cache)
+    chain = cache.chain()
+    chain.extend((1, 2))
+    [h] = alloc.allocate(1)
+    cache.insert(h.block_id, chain, 0, (1, 2))
+    assert cache.lookup((1, 2), chain.hashes) == [h.block_id]
+    assert cache.lookup((9, 9), chain.hashes) == []    # same hash presented with other tokens
+
+
+# ---- hybrid state checkpoints -------------------------------------------------------------------------
+HYBRID = dict(prefix_cache=True, block_size=4, num_state_slots=3, max_rows=1)
+
+
+def test_hybrid_prefill_stops_at_the_due_boundary_and_a_follow_up_resumes_there():
+    sched, engine, _ = make_scheduler(**HYBRID)
+    a = make_request("a", 10, max_tokens=3)     # 13 tokens; decode computes up to position 12
+    sched.add(a)
+    drain(sched)
+    prefill = [(r.start_pos, r.end_pos) for p in engine.plans for r in p.rows if r.kind.value == "prefill"]
+    assert prefill == [(0, 8), (8, 10)], "the chunk ends at 8 so the state there can be kept"
+    # checkpoints at 8 (prompt) and at 12 (reached while decoding)
+    assert len(engine.copies) == 2 and sched.stats().checkpoints == 2
+    follow = Request("b", a.all_token_ids + (5, 6), SamplingParams(max_tokens=4))
+    sched.add(follow)
+    events = drain(sched)
+    row = first_row(engine, "b")
+    restore = engine.copies[2]
+    assert row.start_pos == 12 and restore[1] == row.state_slot
+    assert tokens(events["b"]) == run_alone("b", follow.prompt_token_ids, 4, block_size=4,
+                                            num_state_slots=1)
+    assert sched.stats().checkpoint_hits_total == 1 and sched.stats().slots_used == 0
+
+
+def test_a_wrong_restore_changes_the_fake_engines_tokens():
+    """The fake's recurrent state feeds its tokens: restoring another prefix's checkpoint at the
+    same position must not go unnoticed."""
+    sched, engine, _ = make_scheduler(**HYBRID)
+    x, y = make_request("x", 9, max_tokens=1, seed=1), make_request("y", 9, max_tokens=1, seed=2)
+    for req in (x, y):
+        sched.add(req)
+        drain(sched)
+    y_checkpoint = engine.copies[-1][1]      # y's state at position 8
+    right = engine.copy_state
+
+    def wrong_restore(src: int, dst: int) -> None:     # the next copy is the restore
+        engine.copy_state = right
+        right(y_checkpoint, dst)
+
+    engine.copy_state = wrong_restore
+    follow = Request("b", x.prompt_token_ids + (5, 6), SamplingParams(max_tokens=4))
+    sched.add(follow)
+    got = tokens(drain(sched)["b"])
+    assert first_row(engine, "b").start_pos == 8
+    assert got != run_alone("b", follow.prompt_token_ids, 4, block_size=4, num_state_slots=1)
+
+
+def test_checkpoints_count_as_free_slots_and_are_evicted_least_recently_used():
+    sched, engine, _ = make_scheduler(prefix_cache=True, block_size=4, num_state_slots=2, max_rows=1)
+    sched.add(make_request("a", 10, max_tokens=3))
+    drain(sched)
+    # one spare slot: the checkpoint at 12 replaced the one at 8
+    st_ = sched.stats()
+    assert (st_.checkpoints, st_.checkpoint_evictions_total, st_.slots_used) == (1, 1, 0)
+    sched.add(make_request("b", 5, max_tokens=2, seed=3))   # takes the free slot, keeps the checkpoint
+    sched.add(make_request("c", 5, max_tokens=2, seed=4))
+    drain(sched)
+    assert sched.stats().slots_used == 0
+
+
+# ---- random workloads ------------------------------------------------------------------------------
+CONFIGS = st.fixed_dictionaries({
+    "block_size": st.sampled_from([1, 2, 4]),
+    "num_blocks": st.integers(6, 24),
+    "max_rows": st.integers(1, 4),
+    "num_state_slots": st.sampled_from([0, 0, 2, 4, 6]),
+    "max_prefill_tokens_per_row": st.integers(1, 16),
+    "max_prefill_tokens_total": st.integers(1, 24),
+    "prefill_quantum": st.integers(1, 8),
+})
+OPS = st.lists(st.tuples(st.sampled_from(["add", "add", "follow", "follow", "step", "step", "step",
+                                          "cancel", "fail_row"]),
+                         st.integers(0, 10**6)), min_size=5, max_size=50)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=CONFIGS, ops=OPS)
+def test_random_workloads_share_blocks_safely_and_keep_outputs(cfg, ops):
+    cfg = dict(cfg, max_model_len=64, vocab=50)
+    if cfg["num_state_slots"]:
+        cfg["num_state_slots"] = max(cfg["num_state_slots"], cfg["max_rows"])
+    sched, engine, _ = make_scheduler(prefix_cache=True, **cfg)
+    alloc, bs, execute = sched._allocator, cfg["block_size"], engine.execute
+
+    broken: list[AssertionError] = []
+
+    def checked_execute(plan):
+        try:
+            for row in plan.rows:
+                for block in {row.block_table[p // bs] for p in range(row.start_pos, row.end_pos)}:
+                    assert alloc.refcount(block) == 1, f"{row.request_id} writes shared block {block}"
+                    assert not alloc.cache.is_cached(block), f"{row.request_id} writes cached block {block}"
+            return execute(plan)
+        except AssertionError as exc:   # the scheduler would turn it into a step error: keep it
+            broken.append(exc)
+            raise
+
+    engine.execute = checked_execute
+    added: list[Request] = []
+    for op, seed in ops:
+        pick = added[seed % len(added)] if added else None
+        if op in ("add", "follow"):
+            base = pick.all_token_ids if op == "follow" and pick else make_request("", 1 + seed % 12,
+                                                                                 seed=seed % 3).prompt_token_ids
+            ids = base + tuple(range(1, 1 + seed % 5))
+            req = Request(f"r{len(added)}", ids[:40], SamplingParams(max_tokens=1 + seed % 6))
+            if -(-len(req.prompt_token_ids) // bs) + 1 <= cfg["num_blocks"]:
+                sched.add(req)
+                added.append(req)
+        elif op == "step":
+            sched.step()
+        elif op == "cancel" and pick:
+            sched.cancel(pick.id)
+        elif op == "fail_row" and pick:
+            engine.fail_rows.add(pick.id)
+    drain(sched)
+    assert not broken, broken[0]
+    assert sched.stats().blocks_used == 0 and sched.stats().slots_used == 0
+    assert alloc.num_free == cfg["num_blocks"], "cached-but-idle blocks count as free"
+    ref_kw = dict(block_size=bs, vocab=50, max_model_len=64, num_state_slots=min(1, cfg["num_state_slots"]))
+    for req in added:
+        if req.finish_reason in (FinishReason.LENGTH, FinishReason.STOP):
+            want = run_alone(req.id, req.prompt_token_ids, req.params.max_tokens, **ref_kw)
+            assert req.output_token_ids == want[:len(req.output_token_ids)], req.id
