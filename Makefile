@@ -26,3 +26,8 @@ bench: setup
 
 clean:
 	rm -rf $(VENV)
+
+# the Triton kernels on a GPU, a compiled + CUDA-graphed model step against eager, decode throughput
+.PHONY: gpu-check
+gpu-check: setup
+	$(BIN)/python scripts/gpu_check.py

@@ -1,6 +1,13 @@
 """Shared fixtures: tiny random checkpoints, each distinct variant built once per test session."""
 from __future__ import annotations
 
+import os
+
+# Triton decides at `@triton.jit` time whether kernels run in its interpreter, so the switch must be
+# set before any test module imports ops.triton; on a GPU (`make gpu-check`) the kernels run for real.
+if os.environ.get("PAGEDSERVE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
 import inspect
 from pathlib import Path
 

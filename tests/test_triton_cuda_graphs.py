@@ -1,0 +1,68 @@
+"""The CUDA-graph decode runner's CPU-checkable half: which graph a batch replays, and that the padding rows
+it adds to reach a bucket change nothing (outputs of the real rows, K/V cache). Capture and replay themselves
+need a GPU and run in `make gpu-check`."""
+from __future__ import annotations
+
+import torch
+
+import ops  # noqa: F401
+from engine.cuda_graphs import DecodeGraphs, graph_key, pad_decode_batch
+from engine.models.batch import ForwardBatch
+
+pagedserve = torch.ops.pagedserve
+
+
+def _decode_batch(contexts: list[int], width: int) -> ForwardBatch:
+    rows = len(contexts)
+    tables = torch.arange(rows * width, dtype=torch.int32).view(rows, width)
+    positions = torch.tensor(contexts) - 1
+    return ForwardBatch(
+        input_ids=torch.arange(rows) + 3, positions=positions,
+        slot_mapping=tables[torch.arange(rows), positions // 16].long() * 16 + positions % 16,
+        block_tables=tables, query_start_loc=torch.arange(rows + 1, dtype=torch.int32),
+        context_lens=torch.tensor(contexts, dtype=torch.int32), logits_indices=torch.arange(rows))
+
+
+def _forward(batch: ForwardBatch, kv) -> torch.Tensor:
+    """A one-layer attention forward made of the pagedserve ops (2 kv heads, head_dim 16)."""
+    k_cache, v_cache = kv
+    x = torch.sin(batch.input_ids[:, None] * torch.arange(1, 65)).float()
+    q, k = pagedserve.rotary(x.view(-1, 4, 16), x[:, :32].reshape(-1, 2, 16), batch.positions,
+                             ops.rope_cos_sin(64, 16, 10000.0), 16)
+    pagedserve.write_kv(k_cache, v_cache, k, -k, batch.slot_mapping)
+    out = pagedserve.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.context_lens,
+                                     batch.block_tables, 0.25)
+    return out.flatten(1)[batch.logits_indices]
+
+
+def test_padding_rows_leave_outputs_and_cache_unchanged():
+    batch = _decode_batch([5, 17, 33], width=3)
+    kv = (torch.randn(12, 16, 2, 16), torch.randn(12, 16, 2, 16))
+    padded_kv = (kv[0].clone(), kv[1].clone())
+    expected = _forward(batch, kv)
+    padded = pad_decode_batch(batch, rows=8, table_width=4)
+    actual = _forward(padded, padded_kv)
+    torch.testing.assert_close(actual[:3], expected)
+    assert torch.equal(padded_kv[0], kv[0]) and torch.equal(padded_kv[1], kv[1])
+    assert padded.query_start_loc.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]
+    assert (padded.slot_mapping[3:] == -1).all() and (padded.context_lens[3:] == 0).all()
+
+
+def test_graph_key_buckets_rows_and_width_and_names_every_external_buffer():
+    kv = [(torch.zeros(4, 16, 2, 16), torch.zeros(4, 16, 2, 16))]
+    key = graph_key(_decode_batch([5, 17, 33], width=3), (kv,))
+    assert (key.rows, key.table_width, key.with_state) == (4, 4, False)
+    assert key == graph_key(_decode_batch([2, 40, 9, 1], width=4), (kv,))      # same graph fits both
+    other_pool = [(torch.zeros(4, 16, 2, 16), torch.zeros(4, 16, 2, 16))]
+    assert key != graph_key(_decode_batch([5, 17, 33], width=3), (other_pool,))  # new buffers: new graph
+    assert key != graph_key(_decode_batch([5, 17, 33], width=3), (kv,), with_state=True)
+    assert key != graph_key(_decode_batch([5, 17, 33], width=5), (kv,))
+
+
+def test_prefill_steps_and_cpu_tensors_run_eagerly():
+    batch = _decode_batch([5, 17], width=2)
+    prefill = ForwardBatch(**{**batch.__dict__, "input_ids": torch.arange(3),
+                              "query_start_loc": torch.tensor([0, 2, 3], dtype=torch.int32)})
+    assert graph_key(prefill, ()) is None
+    assert graph_key(_decode_batch([5] * 300, width=1), ()) is None             # past the largest bucket
+    assert DecodeGraphs(_forward).run(batch, ()) is None                        # CPU: never captured
