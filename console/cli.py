@@ -285,30 +285,59 @@ def generate(ctx: click.Context, prompt: str, max_tokens: int, temperature: floa
     click.echo(llm.generate([prompt], params)[0].text)
 
 
+def in_terminal() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
 @main.command()
-@sampling_options
+@click.option("--url", default=None, help="Attach to a running `pagedserve serve` at this URL "
+              "(e.g. http://127.0.0.1:8000) instead of loading a model in this process.")
+@click.option("--api-key", default=None, envvar=ENV_PREFIX + "API_KEY", show_envvar=True,
+              help="Key for --url (default: server.api_key from the config file).")
+@click.option("--temperature", type=float, default=0.7, show_default=True,
+              help="Sampling temperature of new sessions; 0 = greedy (each session can change it).")
+@click.option("--max-tokens", type=int, default=512, show_default=True,
+              help="Most tokens per reply in new sessions (each session can change it).")
 @key_options(cfg.EngineConfig, visible=COMMON_ENGINE_FLAGS)
 @click.pass_context
-def chat(ctx: click.Context, max_tokens: int, temperature: float, seed: int | None, **_keys: Any) -> None:
-    """Chat line by line on stdin (`/exit` or end of input quits)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-    llm = _make_llm(ctx)
-    messages: list[dict[str, str]] = []
-    while True:
-        click.echo("> ", nl=False)
-        line = sys.stdin.readline()
-        if not line:
-            click.echo()
-            return
-        text = line.strip()
-        if text == "/exit":
-            return
-        if not text:
-            continue
-        messages.append({"role": "user", "content": text})
-        reply = llm.chat(messages, params).text
-        messages.append({"role": "assistant", "content": reply})
-        click.echo(reply)
+def chat(ctx: click.Context, url: str | None, api_key: str | None, temperature: float, max_tokens: int,
+         **_keys: Any) -> None:
+    """Open the chat console: sessions as tabs, a live monitor (F2), keys in [console.keys]."""
+    config = ctx.obj.require()
+    SamplingParams(temperature=temperature, max_tokens=max_tokens)  # bad values fail before the UI opens
+    if not in_terminal():
+        raise click.ClickException("`pagedserve chat` is an interactive console and needs a terminal; "
+                                   "for scripts use `pagedserve generate --prompt TEXT` or the HTTP server")
+    from console.app import ConsoleApp
+    from console.client import HttpClient, InProcessClient
+    from console.keys import keymap
+    from console.sessions import SessionStore
+
+    keys = keymap(config.console.keys)
+    if url:
+        client: Any = HttpClient(url, api_key if api_key is not None else config.server.api_key)
+        what = url
+    else:
+        engine_config = cfg.EngineConfig(**section_values(ctx, cfg.EngineConfig))
+        client, what = InProcessClient(engine_config), engine_config.model
+    ConsoleApp(client, SessionStore(), what=what, keymap=keys, temperature=temperature,
+               max_tokens=max_tokens).run()
+
+
+@main.command()
+@key_options(cfg.EngineConfig)
+@key_options(cfg.ServerConfig)
+@click.pass_context
+def serve(ctx: click.Context, **_keys: Any) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (loopback unless --host says otherwise).
+
+    /health answers 503 while the model loads. SIGINT/SIGTERM drain: queued requests get 503,
+    running ones finish, then the server exits 0."""
+    ctx.obj.require()  # a broken config file fails before torch is loaded
+    engine_cfg = cfg.EngineConfig(**section_values(ctx, cfg.EngineConfig))
+    server_cfg = cfg.ServerConfig(**section_values(ctx, cfg.ServerConfig))
+    from engine.server import serve as run_server
+    ctx.exit(run_server(engine_cfg, server_cfg))
 
 
 def _size(n: int) -> str:

@@ -274,25 +274,6 @@ def test_config_init_writes_the_default_and_refuses_to_overwrite(home):
     assert cfg.load_config(user) == cfg.Config()
 
 
-def test_chat_keeps_the_conversation_and_quits_on_exit(home, fake_llm):
-    result = run("chat", "--model", "/ckpt", "--temperature", "0", input="hi\n\nthere\n/exit\nnever\n")
-    assert result.exit_code == 0, result.output
-    llm = fake_llm.made[0]
-    assert llm.kwargs["model"] == "/ckpt"
-    assert [call[1] for call in llm.calls] == [
-        [{"role": "user", "content": "hi"}],
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "reply1"},
-         {"role": "user", "content": "there"}],
-    ]
-    assert llm.calls[0][2].temperature == 0.0
-    assert result.output == "> reply1\n> > reply3\n> "
-
-
-def test_chat_quits_at_end_of_input(home, fake_llm):
-    result = run("chat", input="hi\n")
-    assert result.exit_code == 0 and result.output == "> reply1\n> \n"
-
-
 def test_models_lists_presets(home, monkeypatch):
     listed = [presets.PresetStatus("tiny", "a tiny model", 98_362_432, True, Path("/c/tiny.gguf")),
               presets.PresetStatus("big-one", "a big model", 1_117_320_768, False, None)]

@@ -1,0 +1,1 @@
+"""The console's widgets and screens. They render what they are given and hold no engine state."""

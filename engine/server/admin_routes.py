@@ -1,0 +1,64 @@
+"""Operator routes: /health, /props, the live request table (list, cancel) and /metrics."""
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from engine.server.engine_host import EngineHost
+from engine.server.errors import APIError
+from engine.server.metrics import CONTENT_TYPE
+
+router = APIRouter()
+
+
+def _host(request: Request) -> EngineHost:
+    return request.app.state.host
+
+
+@router.get("/health")
+async def health(request: Request):
+    host = _host(request)
+    if host.ready:
+        return {"status": "ok"}
+    status = ("draining" if host.draining else "failed" if host.load_error else "loading")
+    return JSONResponse({"status": status, "error": host.load_error}, status_code=503)
+
+
+@router.get("/props")
+async def props(request: Request):
+    host = _host(request)
+    info = dataclasses.asdict(host.require_client(admitting=False).info())
+    return info | {"config": dataclasses.asdict(host.engine_cfg)}
+
+
+@router.get("/v1/requests")
+async def list_requests(request: Request):
+    host = _host(request)
+    s = host.require_client(admitting=False).stats()
+    rows = [{"id": r.id, "client": r.client, "state": r.state, "prompt_tokens": r.prompt_tokens,
+             "generated_tokens": r.generated_tokens, "blocks": r.blocks, "slot": r.slot,
+             "tokens_per_s": r.tokens_per_s, "age_s": r.age_s} for r in s.requests]
+    stats = {"running": s.running, "waiting": s.waiting, "paused": s.paused,
+             "blocks_used": s.blocks_used, "blocks_total": s.blocks_total,
+             "slots_used": s.slots_used, "slots_total": s.slots_total,
+             "prompt_tokens_per_s": s.prompt_tokens_per_s,
+             "generation_tokens_per_s": s.generation_tokens_per_s,
+             "ttft_p50_s": s.ttft_p50_s, "itl_p50_s": s.itl_p50_s, "itl_p99_s": s.itl_p99_s,
+             "preemptions_total": s.preemptions_total}
+    return {"object": "list", "data": rows, "stats": stats}
+
+
+@router.delete("/v1/requests/{request_id}")
+async def cancel_request(request_id: str, request: Request):
+    host = _host(request)
+    if not host.cancel(request_id):
+        raise APIError(404, f"no live request {request_id!r} (GET /v1/requests lists them)",
+                       param="request_id", code="request_not_found")
+    return {"id": request_id, "object": "request.cancelled"}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    return Response(_host(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,68 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
+
+Every failure a client can cause is an APIError (or a validation error mapped here) so it never
+surfaces as a 500, and nothing about the engine's state changes because of it.
+"""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+          503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _field(loc) -> str | None:
+    # loc is ("body", "messages", 0, "content"); OpenAI names the param as a dotted path
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+                        .rstrip(": "), code="invalid_json")
+    param = _field(first.get("loc", ()))
+    problems = "; ".join(f"{_field(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in exc.errors())
+    return APIError(400, problems, param=param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                        type="server_error").response()

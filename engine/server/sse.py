@@ -1,0 +1,84 @@
+"""Server-sent events for one streamed request, written against raw ASGI.
+
+Three things run together: the producer (the request's events, through a small bounded queue so a
+slow socket stops the producer, the engine's buffer grows and the engine pauses only this request),
+the sender (with `: keep-alive` comments while nothing is ready, and a timeout on each write so a
+stalled client is dropped), and the disconnect watcher (a closed connection ends everything at
+once). Whatever ends the stream, `on_close` runs, which cancels the request if it is still live.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+KEEPALIVE_S = 1.0       # short, so clients and proxies with read timeouts see life while queued
+_QUEUE_EVENTS = 4       # more would hide a slow reader from the engine's pause policy
+_DONE = object()
+
+
+def sse_event(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
+                                                               separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the request body must already be read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStream(Response):
+    def __init__(self, events: AsyncIterator[bytes], *, on_close: Callable[[], None],
+                 send_timeout_s: float):
+        # no Response.__init__: it would announce content-length 0 for a body it does not know
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        self._events = events
+        self._on_close = on_close
+        self._send_timeout_s = send_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        queue: asyncio.Queue = asyncio.Queue(maxsize=_QUEUE_EVENTS)
+
+        async def produce() -> None:
+            try:
+                async for event in self._events:
+                    await queue.put(event)
+            except Exception as exc:  # noqa: BLE001 - a bug must still end the stream cleanly
+                await queue.put(sse_event({"error": {"message": f"internal error: {exc}",
+                                                     "type": "server_error", "param": None,
+                                                     "code": None}}))
+            await queue.put(_DONE)
+
+        async def deliver() -> None:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                except TimeoutError:
+                    event = b": keep-alive\n\n"
+                if event is _DONE:
+                    break
+                await asyncio.wait_for(send({"type": "http.response.body", "body": event,
+                                             "more_body": True}), self._send_timeout_s)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        tasks = [asyncio.create_task(produce()), asyncio.create_task(deliver()),
+                 asyncio.create_task(wait_for_disconnect(receive))]
+        try:
+            # the sender finishing, failing (client gone, write timed out) or a disconnect ends it
+            await asyncio.wait(tasks[1:], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._events.aclose()
+            self._on_close()

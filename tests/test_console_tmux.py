@@ -1,0 +1,87 @@
+"""End to end: `pagedserve chat` with a tiny checkpoint in a real terminal (tmux), keys typed in,
+the screen read back with capture-pane."""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux (apt-get install tmux)")
+
+
+class Tmux:
+    def __init__(self, socket: Path):
+        self.socket = socket
+
+    def __call__(self, *args: str) -> str:
+        return subprocess.run(["tmux", "-S", str(self.socket), *args], check=True,
+                              capture_output=True, text=True, timeout=10).stdout
+
+    def screen(self) -> str:
+        return self("capture-pane", "-p", "-t", "chat")
+
+    def wait_for(self, condition, timeout: float, what: str) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.screen()
+            if condition(text):
+                return text
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; the screen was:\n{text}")
+            time.sleep(0.2)
+
+
+def reply_lines(screen: str) -> list[str]:
+    """The non-blank lines between the last 'Assistant' label and the prompt box."""
+    lines = screen.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.strip() == "Assistant")
+    end = next(i for i, line in enumerate(lines) if "Message (Enter" in line or i > start and "▔" in line)
+    return [line for line in lines[start + 1:end] if line.strip()]
+
+
+def test_chat_streams_a_reply_and_esc_stops_it(tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint(max_pos=4096)   # greedy output runs for thousands of tokens
+    pagedserve = Path(sys.executable).parent / "pagedserve"
+    # sessions and config go to tmp_path
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "TEXTUAL_ANIMATIONS": "none",
+           "TERM": "xterm-256color", "PAGEDSERVE_THREADS": "1",
+           "PAGEDSERVE_CPU_KERNELS": "0"}   # the console is under test, not a cold C++ kernel build
+    command = (f"{shlex.quote(str(pagedserve))} chat --model {shlex.quote(str(checkpoint))} "
+               f"--dtype float32 --temperature 0 --max-tokens 3000")
+    tmux = Tmux(tmp_path / "tmux.sock")
+    conf = tmp_path / "tmux.conf"   # Esc reaches the app at once, not after 500 ms; a crash stays readable
+    conf.write_text("set -s escape-time 0\nset -g remain-on-exit on\n")
+    subprocess.run(["tmux", "-S", str(tmux.socket), "-f", str(conf), "new-session", "-d", "-s", "chat",
+                    "-x", "110", "-y", "36", "-c", str(tmp_path), command], check=True, env=env, timeout=10)
+    try:
+        tmux.wait_for(lambda s: "Message (Enter" in s and "loading" not in s, 120, "the model to load")  # a busy machine: generous
+        tmux("send-keys", "-t", "chat", "-l", "hello there")
+        tmux.wait_for(lambda s: "hello there" in s, 10, "the typed prompt")   # then Enter, on its own
+        tmux("send-keys", "-t", "chat", "Enter")
+        streaming = tmux.wait_for(lambda s: "Assistant" in s and len(reply_lines(s)) >= 3, 60,
+                                  "streamed reply text")
+        assert "hello there" in streaming and "tok/s" not in streaming   # still streaming: no stats yet
+        tmux("send-keys", "-t", "chat", "Escape")
+        stopped = tmux.wait_for(lambda s: "cancelled" in s, 20, "the reply to stop")
+        tokens = int(next(line for line in stopped.splitlines() if "cancelled" in line).split()[0])
+        assert 0 < tokens < 3000
+        tmux("send-keys", "-t", "chat", "F2")   # the monitor: the request is gone, its blocks freed
+        tmux.wait_for(lambda s: "running 0 · waiting 0" in s and "blocks 0/" in s, 10, "an idle engine")
+        tmux("send-keys", "-t", "chat", "Escape")
+        tmux.wait_for(lambda s: "Message (Enter" in s, 10, "the chat again")
+        tmux("send-keys", "-t", "chat", "C-q")
+        deadline = time.monotonic() + 15
+        while tmux("display-message", "-p", "-t", "chat", "#{pane_dead} #{pane_dead_status}").split() != ["1", "0"]:
+            assert time.monotonic() < deadline, f"ctrl+q did not quit cleanly:\n{tmux.screen()}"
+            time.sleep(0.2)
+        saved = list((tmp_path / "data" / "pagedserve" / "sessions").glob("*.json"))
+        assert len(saved) == 1 and "cancelled" in saved[0].read_text()
+    finally:
+        subprocess.run(["tmux", "-S", str(tmux.socket), "kill-server"], capture_output=True)

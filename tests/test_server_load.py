@@ -1,0 +1,202 @@
+"""The server under load, as clients see it: disconnects and stalls free everything, a slow reader
+slows nobody else, concurrency never changes a greedy answer, SIGTERM drains and exits 0.
+One `pagedserve serve` process for the module; the shutdown test runs last and ends it."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine.server.sse import EventStream
+from test_server import TINY, ServerProcess, metric
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    srv = ServerProcess(tiny_checkpoint("qwen3", **TINY), "--max-concurrency", "4")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _stream_text(url: str, body: dict) -> str:
+    with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True},
+                      timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    return "".join(c["choices"][0]["text"] for c in chunks)
+
+
+def _wait_idle(url: str, timeout: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        table = httpx.get(url + "/v1/requests").json()
+        if not table["data"] or time.monotonic() > deadline:
+            return table
+        time.sleep(0.05)
+
+
+def _metrics(url: str) -> str:
+    return httpx.get(url + "/metrics").text
+
+
+CANCELLED = 'pagedserve:request_finished_total{finished_reason="cancelled"}'
+
+
+def _cancelled(url: str) -> float:
+    try:
+        return metric(_metrics(url), CANCELLED)
+    except KeyError:
+        return 0.0
+
+
+def _raw_stream(port: int, body: dict) -> socket.socket:
+    """A hand-made HTTP client, to read (or not read) at its own pace."""
+    sock = socket.socket()
+    sock.connect(("127.0.0.1", port))
+    payload = json.dumps(body | {"stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    return sock
+
+
+LONG = {"prompt": "The quick brown fox", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+
+
+def test_disconnect_mid_stream_frees_everything(server):
+    before, tokens_before = _cancelled(server.url), metric(_metrics(server.url),
+                                                           "pagedserve:generation_tokens_total")
+    with httpx.stream("POST", server.url + "/v1/completions", json=LONG | {"stream": True},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(line for line in lines if line.startswith("data: {"))
+    assert _wait_idle(server.url)["data"] == []
+    text = _metrics(server.url)
+    assert metric(text, "pagedserve:kv_cache_usage_perc") == 0
+    assert metric(text, "pagedserve:num_requests_running") == 0
+    assert metric(text, CANCELLED) == before + 1
+    assert metric(text, "pagedserve:generation_tokens_total") - tokens_before < LONG["max_tokens"]
+
+
+def _three_streams(url: str) -> float:
+    start = time.perf_counter()
+    threads = [threading.Thread(target=_stream_text, args=(url, LONG | {"max_tokens": 48}))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
+
+
+def test_slow_reader_does_not_slow_the_others(server):
+    baseline = _three_streams(server.url)
+    slow = _raw_stream(server.port, LONG)
+    got = bytearray()
+
+    stop = threading.Event()
+
+    def read_slowly() -> None:
+        with contextlib.suppress(OSError):      # the socket is closed under it at the end
+            while not stop.is_set():
+                chunk = slow.recv(1)
+                if not chunk:
+                    return
+                got.extend(chunk)
+                time.sleep(0.1)
+    reader = threading.Thread(target=read_slowly, daemon=True)
+    reader.start()
+    status = b"HTTP/1.1 200"
+    deadline = time.monotonic() + 10
+    while len(got) < len(status) and time.monotonic() < deadline:   # the slow stream is live
+        time.sleep(0.05)
+    assert got.startswith(status)
+    with_slow = _three_streams(server.url)
+    stop.set()
+    slow.close()
+    reader.join(5)
+    assert with_slow < 2 * baseline + 1.0, (baseline, with_slow)
+    assert _wait_idle(server.url)["data"] == []
+
+
+def test_stalled_client_is_dropped_after_the_write_timeout():
+    """A socket that never drains: loopback buffers hold megabytes, more than a tiny model writes,
+    so the stall is made here, at the ASGI `send` the server awaits."""
+    closed: list[str] = []
+
+    async def events():
+        try:
+            while True:
+                yield b"data: {}\n\n"
+        finally:                            # Generation's own `finally` cancels the request here
+            closed.append("events")
+
+    async def never(*_):
+        await asyncio.Event().wait()
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            await never()
+
+    async def run() -> float:
+        stream = EventStream(events(), on_close=lambda: closed.append("on_close"),
+                             send_timeout_s=0.3)
+        start = time.monotonic()
+        await asyncio.wait_for(stream({"type": "http"}, never, send), 10)
+        return time.monotonic() - start
+    assert 0.3 <= asyncio.run(run()) < 5 and closed == ["events", "on_close"]
+
+
+def test_concurrent_greedy_streams_match_each_alone(server):
+    prompts = [[(7 * i + 13 * j) % 400 + 3 for j in range(5 + i)] for i in range(16)]
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    alone = [_stream_text(server.url, body | {"prompt": p}) for p in prompts]
+    together: list[str | None] = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        together[i] = _stream_text(server.url, body | {"prompt": prompts[i]})
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone and len(set(alone)) > 1
+
+
+def test_sigterm_drains_queued_503_running_finish_exit_0(server):
+    """Runs last: it ends the module's server."""
+    results: dict[int, httpx.Response] = {}
+
+    def ask(i: int) -> None:
+        results[i] = httpx.post(server.url + "/v1/completions", timeout=120,
+                                json=LONG | {"max_tokens": 60, "prompt": f"fox {i}"})
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(7)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while True:
+        stats = httpx.get(server.url + "/v1/requests").json()["stats"]
+        if (stats["running"], stats["waiting"]) == (4, 3) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert (stats["running"], stats["waiting"]) == (4, 3)
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    assert server.proc.wait(60) == 0, server.output()
+    statuses = sorted(r.status_code for r in results.values())
+    assert statuses == [200] * 4 + [503] * 3
+    for r in results.values():
+        if r.status_code == 200:
+            assert r.json()["usage"]["completion_tokens"] == 60
+        else:
+            assert r.json()["error"]["code"] == "shutting_down"
