@@ -70,9 +70,7 @@ class Engine:
     state_pool: StatePool | None = None
 
 
-def build_engine(cfg: EngineConfig, progress=None, spare_state_slots: int = 0) -> Engine:
-    """`spare_state_slots`: recurrent-state slots beyond one per concurrent request (hybrid models),
-    for prefix-cache checkpoints."""
+def build_engine(cfg: EngineConfig, progress=None) -> Engine:
     from engine.loading.resolve import resolve_model
 
     device = resolve_device(cfg)
@@ -93,7 +91,7 @@ def build_engine(cfg: EngineConfig, progress=None, spare_state_slots: int = 0) -
     else:
         model = DenseDecoder(model_cfg, ckpt, dtype, device)
         kv_layers, state_shape = model_cfg.num_layers, None
-    num_slots = plan_num_state_slots(cfg.max_concurrency, spare_state_slots) if state_shape else 0
+    num_slots = plan_num_state_slots(cfg.max_concurrency, cfg.state_spare_slots) if state_shape else 0
     shape = KVShape(kv_layers, model_cfg.num_kv_heads, model_cfg.head_dim, cfg.block_size, dtype)
     blocks = plan_num_blocks(shape, kv_pool_tokens=cfg.kv_pool_tokens,
                              max_concurrency=cfg.max_concurrency, max_model_len=max_len,
@@ -102,7 +100,8 @@ def build_engine(cfg: EngineConfig, progress=None, spare_state_slots: int = 0) -
     pool = KVPool(shape, blocks, device)
     state_pool = StatePool(state_shape, num_slots, device) if state_shape else None
     runner = ModelRunner(model, pool, max_rows=cfg.max_concurrency, max_model_len=max_len,
-                         budget=PrefillBudget.for_device(device, dtype), state_pool=state_pool)
+                         budget=PrefillBudget.for_device(device, dtype), state_pool=state_pool,
+                         compile=cfg.compile)
     scheduler = Scheduler(runner, max_waiting=cfg.max_waiting, prefix_cache=cfg.prefix_cache)
     loop = EngineLoop(scheduler, tokenizer, eos, max_lag_tokens=cfg.client_max_lag_tokens,
                       timeout_s=cfg.client_timeout_s)

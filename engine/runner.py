@@ -32,8 +32,11 @@ class PrefillBudget:
 
 class ModelRunner:
     def __init__(self, model, pool, *, max_rows: int, max_model_len: int,
-                 budget: PrefillBudget, seed: int | None = None, state_pool=None):
+                 budget: PrefillBudget, seed: int | None = None, state_pool=None,
+                 compile: bool = False):
         self.model = model
+        # dynamic: one graph for every batch size and chunk length instead of a recompile each
+        self._compiled = torch.compile(model.forward, dynamic=True) if compile else None
         self.pool = pool
         self.state_pool = state_pool      # engine.kv.pool.StatePool for hybrid models, else None
         self.max_rows = max_rows
@@ -107,12 +110,13 @@ class ModelRunner:
             try:
                 with torch.inference_mode():
                     batch = self._batch(rows)
+                    forward = self._compiled or self.model.forward
                     if self.state_pool is None:
-                        hidden = self.model.forward(batch, self.pool.layers)
+                        hidden = forward(batch, self.pool.layers)
                     else:
                         slots = torch.tensor([-1 if r.state_slot is None else r.state_slot for r in rows],
                                              dtype=torch.int32, device=self.device)
-                        hidden = self.model.forward(batch, self.pool.layers, self.state_pool.layers, slots)
+                        hidden = forward(batch, self.pool.layers, self.state_pool.layers, slots)
                     sampling_rows = [r for r in rows if r.sample]
                     if sampling_rows:
                         picks = sample(self.model.logits(hidden), sampling_rows, self.generator)
