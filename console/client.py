@@ -52,6 +52,8 @@ class EngineSnapshot:
     ttft_p50_s: float | None = None
     itl_p50_s: float | None = None
     itl_p99_s: float | None = None
+    prefix_cache_hit_rate: float = 0.0      # hit / looked-up prompt tokens
+    cached_blocks: int = 0
     requests: tuple[RequestRow, ...] = ()
 
     @classmethod

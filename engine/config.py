@@ -73,6 +73,8 @@ class EngineConfig:
                               "longest prompt + output in tokens; 0 = the model's own limit")
     compile: bool = _key(False, "true or false", lambda v: True, "run the model under torch.compile")
     prefix_cache: bool = _key(True, "true or false", lambda v: True, "reuse K/V blocks of prompts seen before")
+    state_spare_slots: int = _key(4, "an integer >= 0", lambda v: v >= 0,
+                                  "extra recurrent-state slots that hold prefix-cache checkpoints (hybrid models)")
     threads: int = _key(0, "an integer >= 0 (0 = all cores)", lambda v: v >= 0, "CPU threads for torch; 0 = all cores")
     max_waiting: int = _key(256, "an integer >= 1", lambda v: v >= 1,
                             "most requests queued before the server answers 503")

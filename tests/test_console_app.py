@@ -1,10 +1,11 @@
 """The console driven through Textual's Pilot against a scripted client (tests/test_console_support)."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
-from textual.widgets import DataTable, Markdown, TabbedContent
+from textual.widgets import DataTable, Label, Markdown, TabbedContent
 
 from console.app import ConsoleApp
 from console.sessions import SessionStore
@@ -91,6 +92,8 @@ async def test_a_hidden_session_is_not_drawn_until_it_is_shown(tmp_path):
 
 async def test_the_monitor_lists_every_request_and_c_cancels_the_selected_one(tmp_path):
     client = FakeClient(hold_after=1)
+    client.snapshot = lambda: dataclasses.replace(FakeClient.snapshot(client), prefix_cache_hit_rate=0.375,
+                                                  cached_blocks=12)
     app = make_app(tmp_path, client)
     async with app.run_test(size=(120, 30)) as pilot:
         await until(pilot, lambda: app.ready)
@@ -103,6 +106,8 @@ async def test_the_monitor_lists_every_request_and_c_cancels_the_selected_one(tm
         await until(pilot, lambda: table.row_count == 2)
         assert [table.get_row_at(i)[:3] for i in range(2)] == [
             ["req-0", "Session 1", "decode"], ["req-1", "Session 2", "decode"]]
+        cache = app.monitor.query_one("#cache", Label)
+        assert str(cache.render()) == "prefix cache hit rate 37.5% · cached blocks 12"
         await pilot.press("down", "c")
         await until(pilot, lambda: reply(app, 1).stats is not None)
         assert client.cancelled == ["req-1"] and reply(app, 1).stats.finish_reason == "cancelled"

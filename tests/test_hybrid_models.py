@@ -111,7 +111,8 @@ def test_chunked_batched_prompts_equal_unchunked_and_alone(hybrid_checkpoint, na
 def test_slot_freed_by_cancel_and_reused_matches_fresh_engine(hybrid_checkpoint):
     """One state slot: a cancelled request leaves its state behind; the next request must not see it."""
     path = hybrid_checkpoint(**ARCHS["qwen3_5"])
-    make = dict(model=str(path), dtype="float32", max_model_len=128, kv_pool_tokens=1024, max_concurrency=1)
+    make = dict(model=str(path), dtype="float32", max_model_len=128, kv_pool_tokens=1024, max_concurrency=1,
+                state_spare_slots=0)
     llm = LLM(**make)
     assert llm.engine.runner.limits(0).num_state_slots == 1
     loop = llm.engine.loop
@@ -134,7 +135,8 @@ def test_state_slots_are_counted_in_the_pool_budget(hybrid_checkpoint, monkeypat
     from engine.kv import pool as pool_module
 
     path = hybrid_checkpoint(**ARCHS["qwen3_5"])
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, kv_pool_tokens=1024, max_concurrency=3)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, kv_pool_tokens=1024, max_concurrency=3,
+              state_spare_slots=0)
     engine = llm.engine
     cfg = engine.model_config
     assert engine.pool.shape.num_layers == len(cfg.attention_layers) == 2   # K/V only for full attention

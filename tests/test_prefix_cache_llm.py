@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import hf_model
+from tiny_models import hf_model, make_hybrid_checkpoint
 
 from engine import LLM
 from engine.request import SamplingParams
@@ -79,3 +79,33 @@ def test_eviction_under_a_small_pool_keeps_outputs(tiny_checkpoint):
     # one block and evicts the next LRU block for its own third block
     assert (stats.cache_evictions_total, stats.prefix_cache_hit_tokens, stats.blocks_used) == (2, 16, 0)
     small.close(), off.close()
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    path = str(make_hybrid_checkpoint(tmp_path_factory.mktemp("hybrid"), "qwen3_5"))
+    on, off = (LLM(model=path, prefix_cache=flag, kv_pool_tokens=2048, **MAKE) for flag in (True, False))
+    yield on, off
+    on.close(), off.close()
+
+
+def test_hybrid_model_resumes_turns_and_a_system_prompt_from_state_checkpoints(hybrid_pair):
+    on, off = hybrid_pair
+    before = on.engine.scheduler.stats()
+    history: list[int] = []
+    for turn in range(3):
+        history += ids(23 + 7 * turn, seed=60 + turn)
+        [got] = outputs(on, [history])
+        assert got == outputs(off, [history])[0], f"turn {turn}"
+        history += got
+    system = ids(40, seed=70)
+    for i in range(3):                       # one after another, so each can hit the one before
+        prompt = [system + ids(5 + i, seed=80 + i)]
+        assert outputs(on, prompt) == outputs(off, prompt), f"system prompt user {i}"
+    after = on.engine.scheduler.stats()
+    # a checkpoint is kept at the last block boundary before a prompt's final token (and at those
+    # reached while decoding): the turns resume at 16 and 64 as for the dense model, and users 2
+    # and 3 at 32 of the system prompt's 40 tokens (45 and 46 in their prompts)
+    assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens == 16 + 64 + 32 + 32
+    assert after.checkpoint_hits_total - before.checkpoint_hits_total == 4
+    assert off.engine.scheduler.stats().prefix_cache_hit_tokens == 0

@@ -259,6 +259,40 @@ def test_request_table_cancel_and_metrics(server, auth):
     assert metric(text, "pagedserve:inter_token_latency_seconds_count") >= 1
 
 
+def test_a_repeated_prompt_hits_the_prefix_cache_in_metrics_props_and_the_table(server, auth):
+    prompt = torch.randint(3, 400, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    names = ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_evictions_total",
+             "state_checkpoint_hits_total")
+
+    def scrape() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics", headers=auth).text
+        return {name: metric(text, "pagedserve:" + name)
+                for name in names + ("prefix_cache_hit_rate", "cached_blocks")}
+
+    first = httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=60).json()
+    before = scrape()
+    again = httpx.post(server.url + "/v1/completions", json=body, headers=auth, timeout=60).json()
+    after = scrape()
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    # all 40 tokens are looked up; the 2 full blocks before the last token come from the cache
+    assert after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"] == 40
+    assert after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"] == 32
+    assert after["state_checkpoint_hits_total"] == 0                    # a dense model has no state
+    assert after["prefix_cache_hit_rate"] == pytest.approx(
+        after["prefix_cache_hits_total"] / after["prefix_cache_queries_total"])
+    assert after["cached_blocks"] >= 2
+    props = httpx.get(server.url + "/props", headers=auth).json()["prefix_cache"]
+    assert props == {"enabled": True, "hit_rate": pytest.approx(after["prefix_cache_hit_rate"]),
+                     "cached_blocks": after["cached_blocks"],
+                     "evictions": after["prefix_cache_evictions_total"],
+                     "checkpoints": 0, "checkpoint_hits": 0}
+    stats = httpx.get(server.url + "/v1/requests", headers=auth).json()["stats"]
+    assert (stats["prefix_cache_query_tokens"], stats["prefix_cache_hit_tokens"], stats["cached_blocks"],
+            stats["checkpoints"]) == (after["prefix_cache_queries_total"],
+                                      after["prefix_cache_hits_total"], after["cached_blocks"], 0)
+
+
 def test_keep_alive_comments_while_queued(server, auth):
     long = {"prompt": "fox", "max_tokens": 250, "temperature": 0, "ignore_eos": True,
             "stream": True}

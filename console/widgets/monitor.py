@@ -1,4 +1,5 @@
-"""The monitor screen: every request in the engine, cache and slot usage, rates and latencies.
+"""The monitor screen: every request in the engine, cache and slot usage, prefix-cache hits, rates
+and latencies.
 
 It draws the snapshots it is handed (the app polls the client) and asks the app to cancel the
 selected request with a message; it never talks to the engine itself."""
@@ -31,7 +32,7 @@ class MonitorScreen(Screen):
     MonitorScreen .gauges { height: 2; padding: 0 1; }
     MonitorScreen .gauges Label { width: 16; }
     MonitorScreen .gauges ProgressBar { width: 1fr; }
-    MonitorScreen #counts, MonitorScreen #latency { height: 1; padding: 0 1; }
+    MonitorScreen #counts, MonitorScreen #latency, MonitorScreen #cache { height: 1; padding: 0 1; }
     MonitorScreen Sparkline { height: 3; padding: 0 1; }
     MonitorScreen DataTable { height: 1fr; }
     """
@@ -55,6 +56,7 @@ class MonitorScreen(Screen):
                 yield ProgressBar(total=1, show_eta=False, id="slots")
         yield Label("", id="counts")
         yield Label("", id="latency")
+        yield Label("", id="cache")
         yield Sparkline(list(self.rates), id="rate")
         table = DataTable(cursor_type="row", zebra_stripes=True)
         for key, label in COLUMNS:
@@ -74,6 +76,8 @@ class MonitorScreen(Screen):
             f"{snap.generation_tokens_per_s:.1f} tok/s")
         self.query_one("#latency", Label).update(
             f"TTFT p50 {_ms(snap.ttft_p50_s)} · ITL p50 {_ms(snap.itl_p50_s)} · ITL p99 {_ms(snap.itl_p99_s)}")
+        self.query_one("#cache", Label).update(
+            f"prefix cache hit rate {snap.prefix_cache_hit_rate:.1%} · cached blocks {snap.cached_blocks}")
         self.rates.append(snap.generation_tokens_per_s)
         self.query_one(Sparkline).data = list(self.rates)
         self._show_rows(snap)

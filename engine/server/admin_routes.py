@@ -29,8 +29,13 @@ async def health(request: Request):
 @router.get("/props")
 async def props(request: Request):
     host = _host(request)
-    info = dataclasses.asdict(host.require_client(admitting=False).info())
-    return info | {"config": dataclasses.asdict(host.engine_cfg)}
+    client = host.require_client(admitting=False)
+    s = client.stats()
+    prefix_cache = {"enabled": host.engine_cfg.prefix_cache, "hit_rate": s.prefix_cache_hit_rate,
+                    "cached_blocks": s.cached_blocks, "evictions": s.cache_evictions_total,
+                    "checkpoints": s.checkpoints, "checkpoint_hits": s.checkpoint_hits_total}
+    return (dataclasses.asdict(client.info()) | {"config": dataclasses.asdict(host.engine_cfg)}
+            | {"prefix_cache": prefix_cache})
 
 
 @router.get("/v1/requests")
@@ -46,7 +51,12 @@ async def list_requests(request: Request):
              "prompt_tokens_per_s": s.prompt_tokens_per_s,
              "generation_tokens_per_s": s.generation_tokens_per_s,
              "ttft_p50_s": s.ttft_p50_s, "itl_p50_s": s.itl_p50_s, "itl_p99_s": s.itl_p99_s,
-             "preemptions_total": s.preemptions_total}
+             "preemptions_total": s.preemptions_total,
+             "prefix_cache_query_tokens": s.prefix_cache_query_tokens,
+             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+             "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "cached_blocks": s.cached_blocks,
+             "cache_evictions_total": s.cache_evictions_total, "checkpoints": s.checkpoints,
+             "checkpoint_hits_total": s.checkpoint_hits_total}
     return {"object": "list", "data": rows, "stats": stats}
 
 

@@ -1,6 +1,6 @@
 """Prometheus metrics under `pagedserve:` with vLLM-like names.
 
-Engine-wide numbers (running, waiting, K/V usage, token totals, preemptions) are read from the
+Engine-wide numbers (running, waiting, K/V usage, token totals, preemptions, prefix cache) are read from the
 scheduler's latest stats snapshot at scrape time; latencies and finish reasons are observed by the
 server per request, as a client sees them.
 """
@@ -32,6 +32,9 @@ class _SnapshotCollector:
             "num_requests_paused": ("Requests paused because their client reads slowly.", s.paused),
             "kv_cache_usage_perc": ("Fraction of K/V cache blocks in use (1 = full).",
                                     s.blocks_used / s.blocks_total if s.blocks_total else 0.0),
+            "prefix_cache_hit_rate": ("Fraction of looked-up prompt tokens served from the prefix "
+                                      "cache (0 before the first lookup).", s.prefix_cache_hit_rate),
+            "cached_blocks": ("K/V blocks indexed by the prefix cache (held or idle).", s.cached_blocks),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"pagedserve:{name}", doc, value=value)
@@ -40,6 +43,13 @@ class _SnapshotCollector:
                               s.prompt_tokens_total),
             "generation_tokens": ("Tokens generated.", s.generation_tokens_total),
             "num_preemptions": ("Requests preempted to free K/V blocks.", s.preemptions_total),
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                                     s.prefix_cache_query_tokens),
+            "prefix_cache_hits": ("Prompt tokens served from the prefix cache.", s.prefix_cache_hit_tokens),
+            "prefix_cache_evictions": ("Idle cached blocks reused for other tokens.",
+                                       s.cache_evictions_total),
+            "state_checkpoint_hits": ("Admissions of hybrid models that resumed from a recurrent-state "
+                                      "checkpoint.", s.checkpoint_hits_total),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"pagedserve:{name}", doc, value=value)
