@@ -18,6 +18,16 @@ def require(ok: bool, op: str, message: str) -> None:
         raise OpInputError(f"pagedserve::{op}: {message}")
 
 
+def require_slot_rows(op: str, state_slots: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+    """The recurrent ops' row layout: one int32 state slot per row and int32 [B+1] row starts."""
+    rows = state_slots.shape[0] if state_slots.dim() == 1 else -1
+    require(state_slots.dtype == torch.int32 and rows >= 0, op,
+            f"state_slots must be int32 [B], got {state_slots.dtype} {tuple(state_slots.shape)}")
+    require(query_start_loc.dtype == torch.int32 and query_start_loc.shape == (rows + 1,), op,
+            f"query_start_loc must be int32 [B+1={rows + 1}], got {query_start_loc.dtype} "
+            f"{tuple(query_start_loc.shape)}")
+
+
 _IMPLS: dict[tuple[str, str], Callable] = {}
 _BACKEND_PACKAGES = {"cpu": "ops.cpu", "cuda": "ops.triton"}
 _loaded: set[str] = set()

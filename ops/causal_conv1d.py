@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ops._registry import NAMESPACE, impl, register, require
+from ops._registry import NAMESPACE, impl, register, require, require_slot_rows
 
 
 def _check(x: Tensor, weight: Tensor, conv_state: Tensor, query_start_loc: Tensor, state_slots: Tensor) -> None:
@@ -26,12 +26,7 @@ def _check(x: Tensor, weight: Tensor, conv_state: Tensor, query_start_loc: Tenso
             f"conv_state must be [slots, C={channels}, K-1={width}], got {tuple(conv_state.shape)}")
     require(x.dtype == weight.dtype == conv_state.dtype, op,
             f"x, weight and conv_state must share a dtype, got {x.dtype}, {weight.dtype}, {conv_state.dtype}")
-    rows = state_slots.shape[0] if state_slots.dim() == 1 else -1
-    require(state_slots.dtype == torch.int32 and rows >= 0, op,
-            f"state_slots must be int32 [B], got {state_slots.dtype} {tuple(state_slots.shape)}")
-    require(query_start_loc.dtype == torch.int32 and query_start_loc.shape == (rows + 1,), op,
-            f"query_start_loc must be int32 [B+1={rows + 1}], got {query_start_loc.dtype} "
-            f"{tuple(query_start_loc.shape)}")
+    require_slot_rows(op, state_slots, query_start_loc)
 
 
 def reference_causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor, query_start_loc: Tensor,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ops._registry import NAMESPACE, impl, register, require
+from ops._registry import NAMESPACE, impl, register, require, require_slot_rows
 
 CHUNK = 64
 
@@ -35,12 +35,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool:
     require(state_pool.dim() == 4 and state_pool.shape[1:] == (hv, dk, dv) and state_pool.dtype == torch.float32,
             op, f"state_pool must be fp32 [slots, Hv={hv}, Dk={dk}, Dv={dv}], "
                 f"got {state_pool.dtype} {tuple(state_pool.shape)}")
-    rows = state_slots.shape[0] if state_slots.dim() == 1 else -1
-    require(state_slots.dtype == torch.int32 and rows >= 0, op,
-            f"state_slots must be int32 [B], got {state_slots.dtype} {tuple(state_slots.shape)}")
-    require(query_start_loc.dtype == torch.int32 and query_start_loc.shape == (rows + 1,), op,
-            f"query_start_loc must be int32 [B+1={rows + 1}], got {query_start_loc.dtype} "
-            f"{tuple(query_start_loc.shape)}")
+    require_slot_rows(op, state_slots, query_start_loc)
 
 
 def _check_rows(starts: list[int], slots: list[int], num_tokens: int, num_slots: int) -> None:
