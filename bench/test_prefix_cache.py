@@ -36,10 +36,21 @@ def _second_turn_ttft(checkpoint, prefix_cache: bool) -> list[float]:
         gc.collect()
 
 
-def test_second_turn_ttft_with_prefix_cache(bench_checkpoint, bench_report):
-    on = statistics.median(_second_turn_ttft(bench_checkpoint, True))
-    off = statistics.median(_second_turn_ttft(bench_checkpoint, False))
-    group = f"2nd-turn TTFT, {HISTORY}-token history"
-    note = f"median of {ROUNDS}; +{REPLY} reply +{NEW_TOKENS} new tokens; bf16"
+def _report(bench_report, checkpoint, label: str) -> None:
+    on = statistics.median(_second_turn_ttft(checkpoint, True))
+    off = statistics.median(_second_turn_ttft(checkpoint, False))
+    group = f"2nd-turn TTFT, {HISTORY}-token history, {label}"
+    note = f"median of {ROUNDS}; +{REPLY} reply +{NEW_TOKENS} new tokens"
     bench_report.add(group, "prefix cache on", on, "s", subject=True, note=note)
     bench_report.add(group, "prefix cache off", off, "s", note=f"speedup {off / on:.1f}x")
+
+
+def test_second_turn_ttft_with_prefix_cache(bench_checkpoint, bench_report):
+    _report(bench_report, bench_checkpoint, "dense")
+
+
+def test_second_turn_ttft_with_prefix_cache_hybrid(bench_report):
+    """Qwen3.5-shaped: the hit resumes the recurrent state from a block-aligned checkpoint."""
+    from test_hybrid_context import _checkpoint
+
+    _report(bench_report, _checkpoint(), "Qwen3.5-shaped hybrid")
