@@ -19,8 +19,10 @@ from engine.loading.model_config import parse_model_config
 from gguf_writer import QUANT_TYPES, write_gguf
 from tiny_models import special_token_id
 
-SHARED = Path("/work/shared/testdata/gguf")
+# the project's shared test inputs sit beside the checkout (../shared), in CI as here
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "testdata" / "gguf"
 SHARED_FILES = sorted(SHARED.glob("*.gguf"))
+assert SHARED_FILES, f"no GGUF test files in {SHARED}: the checkout needs ../shared beside it"
 # transformers' GGUF loader derives head_dim itself (qwen2: hidden/heads, qwen3: 128), so the
 # written files use those; llama reads it from the file, so it gets a non-default one.
 HEAD_DIMS = {"qwen2": 16, "qwen3": 128, "llama": 32}
