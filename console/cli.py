@@ -18,7 +18,8 @@ import click
 from click.core import ParameterSource
 
 from engine import config as cfg
-from engine.request import SamplingError, SamplingParams
+from engine.errors import UserError
+from engine.request import SamplingParams
 
 ENV_PREFIX = "PAGEDSERVE_"
 COMMON_ENGINE_FLAGS = ("model", "dtype", "device", "max_concurrency", "kv_pool_tokens", "block_size",
@@ -118,7 +119,7 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (cfg.ConfigError, SamplingError) as e:
+        except UserError as e:     # bad config, model or input: the message is the whole story
             raise ConfigProblem(str(e)) from None
 
 

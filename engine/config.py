@@ -17,6 +17,8 @@ from typing import Any
 import platformdirs
 import tomlkit
 
+from engine.errors import UserError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - the project runs 3.11, pyproject still admits 3.10
@@ -25,7 +27,7 @@ else:  # pragma: no cover - the project runs 3.11, pyproject still admits 3.10
 TABLES = ("server", "console")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """One or more configuration problems; `.problems` lists them, `.source` names the file (or None)."""
 
     def __init__(self, problems: list[str], source: str | None = None):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.errors import UserError
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"          # EOS, a stop token id or a stop string
@@ -12,7 +14,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-class SamplingError(ValueError):
+class SamplingError(UserError, ValueError):
     """A sampling parameter is out of range; the message names it and what is allowed."""
 
 

@@ -23,8 +23,9 @@ from engine.kv.allocator import BlockAllocator, BlockHandle, Reservation
 from engine.kv.prefix_cache import BlockChain, PrefixCache, StateSlots
 from engine.request import FinishReason, Request, RequestState
 from engine.stats import RequestRow, SchedulerStats, StatsRecorder, percentile
+from engine.errors import UserError
 
-class RequestRejected(ValueError):
+class RequestRejected(UserError, ValueError):
     """The request can never run here (empty, too long for the context or the K/V pool)."""
 
 

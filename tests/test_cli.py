@@ -321,3 +321,14 @@ def test_help_and_config_commands_import_neither_torch_nor_textual(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={"PATH": "/usr/bin:/bin", "XDG_CONFIG_HOME": str(tmp_path)})
     assert out.stdout.splitlines()[-1] == "False False"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "/nonexistent/model"), "is not a preset"),
+    (("--temperature", "-1"), "temperature=-1.0 must be >= 0"),
+])
+def test_generate_with_bad_input_prints_the_error_not_a_traceback(home, args, message):
+    """The real engine, no mocks: user errors from any layer end as one line and exit status 2."""
+    result = CliRunner().invoke(main, ["generate", "--prompt", "hi", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output

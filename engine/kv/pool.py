@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from engine.errors import UserError
 
-class PoolSizeError(RuntimeError):
+
+class PoolSizeError(UserError, RuntimeError):
     """The K/V pool cannot hold one full-length sequence; the message says what to change."""
 
 

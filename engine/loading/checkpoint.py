@@ -11,11 +11,13 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from engine.errors import UserError
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """The checkpoint directory cannot be used; the message names the file (and tensor) and why."""
 
 

@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from safetensors.torch import save_file
 
 from engine.loading.gguf_tokenizer import GGUFTokenizerError, write_tokenizer_files
+from engine.errors import UserError
 
 # GGUF `general.architecture` -> (HF architecture, HF model_type)
 ARCHITECTURES = {
@@ -50,7 +51,7 @@ HASH_INDEX = "hash-index.json"
 Progress = Callable[[int, int, str], None]
 
 
-class GGUFError(ValueError):
+class GGUFError(UserError, ValueError):
     """The GGUF file cannot be converted; the message names the file, the key/tensor and what is supported."""
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from engine.errors import UserError
+
 # architecture name -> family flags; one dense implementation serves all three
 DENSE_ARCHITECTURES = {
     "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
@@ -33,7 +35,7 @@ _ALWAYS_NORM_TOPK = {"Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneratio
 LAYER_TYPES = ("full_attention", "linear_attention")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError, ValueError):
     """config.json does not describe a model we can run; the message says which key and why."""
 
 

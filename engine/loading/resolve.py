@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.loading.presets import PRESETS, Progress, pull, pulled_path
+from engine.errors import UserError
 
 
-class ModelNotFound(LookupError):
+class ModelNotFound(UserError, LookupError):
     """The spec is neither a preset, nor a checkpoint directory, nor a .gguf file."""
 
 

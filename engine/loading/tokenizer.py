@@ -15,8 +15,10 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
+from engine.errors import UserError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(UserError, ValueError):
     """The tokenizer files or the chat template cannot be used; the message names the file and why."""
 
 

@@ -1,0 +1,5 @@
+"""The base of every error whose message is meant for the user: front ends print it, no traceback."""
+
+
+class UserError(Exception):
+    """Bad config, model, request or input; the message says what is wrong and how to fix it."""
