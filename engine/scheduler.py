@@ -4,11 +4,7 @@ round-robin prefill grants next to decode rows in one plan, preemption by recomp
 There are no prefill/decode phases: every step each running request catches its computed tokens
 up towards all_token_ids, decoders one token, prefillers a granted chunk. No torch here.
 
-Prefix caching (engine/kv/prefix_cache.py): full blocks are indexed as soon as their K/V is
-computed; an admitted request takes the longest cached run of its blocks and starts after it. Hybrid
-models also need the recurrent state there: the state at a request's last full-block boundary is
-copied into a spare slot (a checkpoint) after the step that computed it, and a hit resumes from the
-latest checkpoint within the cached run.
+Prefix caching and hybrid state checkpoints: engine/prefix_reuse.py.
 """
 from __future__ import annotations
 
@@ -20,10 +16,10 @@ from typing import Callable
 from engine.contracts import (ContractError, EngineLimits, PlanRow, RowKind, RowOutput, SeqEngine,
                               StepPlan, StepResult, check_plan, check_result)
 from engine.kv.allocator import BlockAllocator, BlockHandle, Reservation
-from engine.kv.prefix_cache import BlockChain, PrefixCache, StateSlots
+from engine.prefix_reuse import PrefixReuse
 from engine.request import FinishReason, Request, RequestState
-from engine.stats import RequestRow, SchedulerStats, StatsRecorder, percentile
 from engine.errors import UserError
+from engine.stats import RequestRow, SchedulerStats, StatsRecorder, percentile
 
 class RequestRejected(UserError, ValueError):
     """The request can never run here (empty, too long for the context or the K/V pool)."""
@@ -51,12 +47,8 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic, prefix_cache: bool = True) -> None:
         self.engine = engine
         self._limits = lim = engine.limits(0)   # the static fields; capacities are asked per step
-        self._cache = PrefixCache(lim.block_size) if prefix_cache else None
-        self._allocator = BlockAllocator(lim.num_blocks, self._cache)
-        self._slots = StateSlots(lim.num_state_slots)
-        self._chains: dict[str, BlockChain] = {}    # block hashes of live requests' tokens
-        self._indexed: dict[str, int] = {}          # an admitted request's full blocks in the cache
-        self._query_tokens = self._hit_tokens = self._checkpoint_hits = 0
+        self._prefix = PrefixReuse(engine, lim, prefix_cache)
+        self._allocator = BlockAllocator(lim.num_blocks, self._prefix.cache)
         self._max_waiting = max_waiting
         self._clock = clock
         self._waiting: deque[Request] = deque()
@@ -156,20 +148,13 @@ class Scheduler:
             running=len(self._running) - paused, waiting=len(self._waiting), paused=paused,
             blocks_used=alloc.num_used, blocks_free=alloc.num_free,
             blocks_reserved=alloc.num_reserved, blocks_total=alloc.num_blocks,
-            slots_used=self._slots.num_used,
             slots_total=self._limits.num_state_slots, preemptions_total=self._preemptions,
             prompt_tokens_total=self._recorder.prompt_tokens_total,
             generation_tokens_total=self._recorder.generation_tokens_total,
             prompt_tokens_per_s=prompt_rate, generation_tokens_per_s=gen_rate,
             ttft_p50_s=percentile(self._recorder.ttft, 50),
             itl_p50_s=percentile(self._recorder.itl, 50), itl_p99_s=percentile(self._recorder.itl, 99),
-            requests=rows, prefix_cache_query_tokens=self._query_tokens,
-            prefix_cache_hit_tokens=self._hit_tokens,
-            prefix_cache_hit_rate=self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
-            cached_blocks=0 if self._cache is None else self._cache.num_cached,
-            cache_evictions_total=0 if self._cache is None else self._cache.evictions,
-            checkpoints=self._slots.num_checkpoints, checkpoint_hits_total=self._checkpoint_hits,
-            checkpoint_evictions_total=self._slots.evictions)
+            requests=rows, **self._prefix.stats())
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[Event]:
@@ -228,7 +213,7 @@ class Scheduler:
                 events.append(self._retire(req, FinishReason.ERROR, error=out.error))
                 continue
             req.num_computed_tokens = row.end_pos
-            self._remember(req, row)
+            self._prefix.remember(req, row)
             if row.kind is RowKind.PREFILL:
                 prompt_fed += len(row.token_ids)
             if row.sample:
@@ -280,7 +265,7 @@ class Scheduler:
         else:
             self._release(req)
         del self._live[req.id]
-        self._chains.pop(req.id, None)
+        self._prefix.forget(req)
         req.state, req.finish_reason, req.error = RequestState.FINISHED, reason, error
         return self._event(req, reason, error, out)
 
@@ -292,9 +277,9 @@ class Scheduler:
         self._allocator.free(reversed(req.blocks))  # a prefix's tail goes idle first, so is evicted first
         req.blocks = []
         self._reservations.pop(req.id).release()
-        self._indexed.pop(req.id, None)
+        self._prefix.released(req)
         if req.state_slot is not None:
-            self._slots.release(req.state_slot)
+            self._prefix.slots.release(req.state_slot)
             req.state_slot = None
 
     def _preempt(self, req: Request) -> None:
@@ -342,22 +327,20 @@ class Scheduler:
         for req in list(self._waiting):
             if req.pause_requested:
                 continue
-            if len(self._running) >= lim.max_rows or (lim.num_state_slots and not self._slots.available):
+            no_slot = lim.num_state_slots and not self._prefix.slots.available
+            if len(self._running) >= lim.max_rows or no_slot:
                 return
-            hit, restore = self._lookup(req)
+            hit, restore = self._prefix.lookup(req)
             need = self._blocks_for(len(req.all_token_ids)) - len(hit) + 1
-            if need + sum(self._cache.is_idle(b) for b in hit) > self._allocator.num_free:
+            if need + self._prefix.idle_blocks(hit) > self._allocator.num_free:
                 return
             self._waiting.remove(req)
             req.blocks = [self._allocator.share(b) for b in hit]
             req.num_computed_tokens = len(hit) * lim.block_size
             self._reservations[req.id] = self._allocator.reserve(need)
             if lim.num_state_slots:
-                req.state_slot = self._take_slot(restore)
-            if self._cache is not None:
-                self._indexed[req.id] = len(hit)
-                self._query_tokens += len(req.all_token_ids)
-                self._hit_tokens += req.num_computed_tokens
+                req.state_slot = self._prefix.take_slot(restore)
+            self._prefix.admitted(req, hit)
             req.state = RequestState.PREFILL
             self._running.append(req)
             self._rotation.append(req.id)
@@ -374,7 +357,7 @@ class Scheduler:
                 req, have = self._live[rid], grants.get(rid, 0)
                 if budget == 0 or (have == 0 and len(grants) >= row_cap):
                     continue
-                left = self._prefill_end(req) - req.num_computed_tokens - have
+                left = self._prefix.prefill_end(req) - req.num_computed_tokens - have
                 grant = min(quantum, left, limits.max_prefill_tokens_per_row - have, budget)
                 if grant > 0:
                     grants[rid] = have + grant
@@ -383,67 +366,6 @@ class Scheduler:
         self._rotation = ([rid for rid in self._rotation if rid not in grants]
                           + [rid for rid in self._rotation if rid in grants])
         return grants
-
-    # ---- prefix cache --------------------------------------------------------------------------
-    def _lookup(self, req: Request) -> tuple[list[int], bytes | None]:
-        """The cached blocks a request may start from, and (hybrid) the hash of the checkpoint its
-        state resumes from. The last token is always fed, so there is something to sample."""
-        if self._cache is None:
-            return [], None
-        tokens = req.all_token_ids
-        hashes = self._chains.setdefault(req.id, self._cache.chain()).extend(tokens)
-        hit = self._cache.lookup(tokens, hashes[:(len(tokens) - 1) // self._limits.block_size])
-        if not self._limits.num_state_slots:
-            return hit, None
-        resume = self._slots.latest(hashes, len(hit))   # K/V past the state would be rewritten
-        return hit[:resume], hashes[resume - 1] if resume else None
-
-    def _take_slot(self, restore: bytes | None) -> int:
-        """A state slot for an admitted request: reset, or holding the restored checkpoint."""
-        if restore is None:
-            slot = self._slots.acquire()
-            self.engine.reset_state(slot)
-            return slot
-        self._checkpoint_hits += 1
-        slot = self._slots.acquire(keep=restore)
-        if slot is None:        # the checkpoint holds the only spare slot: resume in it
-            return self._slots.adopt(restore)
-        self.engine.copy_state(self._slots.use(restore), slot)
-        return slot
-
-    def _checkpoint_due(self, req: Request) -> int:
-        """The block boundary a later request with these tokens would resume from."""
-        bs = self._limits.block_size
-        return (len(req.all_token_ids) - 1) // bs * bs
-
-    def _prefill_end(self, req: Request) -> int:
-        """Where a prefill chunk may end: the end of the tokens, or (hybrid) a due checkpoint's
-        boundary, so that the state there exists after the step (if a slot is there to keep it)."""
-        due = self._checkpoint_due(req)
-        if (self._cache is not None and req.state_slot is not None and req.num_computed_tokens < due
-                and self._slots.available
-                and self._chains[req.id].hashes[due // self._limits.block_size - 1] not in self._slots):
-            return due
-        return len(req.all_token_ids)
-
-    def _remember(self, req: Request, row: PlanRow) -> None:
-        """After a step: index the request's newly computed full blocks; (hybrid) checkpoint the
-        state if the row ended on the due boundary (a sampling row ends on the last one)."""
-        if self._cache is None:
-            return
-        bs, done, tokens = self._limits.block_size, req.num_computed_tokens, req.all_token_ids
-        chain = self._chains[req.id]
-        hashes = chain.extend(tokens)
-        for i in range(self._indexed[req.id], done // bs):
-            self._cache.insert(req.blocks[i].block_id, chain, i, tokens)
-        self._indexed[req.id] = done // bs
-        if (req.state_slot is None or done % bs or (not row.sample and done != self._checkpoint_due(req))
-                or hashes[done // bs - 1] in self._slots):
-            return
-        slot = self._slots.acquire()
-        if slot is not None:
-            self.engine.copy_state(req.state_slot, slot)
-            self._slots.add(hashes[done // bs - 1], slot)
 
     def _row(self, req: Request, kind: RowKind, count: int) -> PlanRow:
         all_ids, start = req.all_token_ids, req.num_computed_tokens

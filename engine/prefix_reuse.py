@@ -1,0 +1,114 @@
+"""The scheduler's side of prefix caching (engine/kv/prefix_cache.py). No torch here.
+
+Full blocks are indexed as soon as their K/V is computed; an admitted request takes the longest
+cached run of its blocks and starts after it. Hybrid models also need the recurrent state there: the
+state at a request's last full-block boundary is copied into a spare slot (a checkpoint) after the
+step that computed it, and a hit resumes from the latest checkpoint within the cached run.
+"""
+from __future__ import annotations
+
+from engine.contracts import EngineLimits, PlanRow, SeqEngine
+from engine.kv.prefix_cache import BlockChain, PrefixCache, StateSlots
+from engine.request import Request
+
+
+class PrefixReuse:
+    """Which cached blocks (and checkpoint) a request starts from, and what it leaves behind."""
+
+    def __init__(self, engine: SeqEngine, limits: EngineLimits, enabled: bool) -> None:
+        self.engine = engine
+        self.block_size = limits.block_size
+        self.has_state = bool(limits.num_state_slots)
+        self.cache = PrefixCache(limits.block_size) if enabled else None
+        self.slots = StateSlots(limits.num_state_slots)
+        self._chains: dict[str, BlockChain] = {}    # block hashes of live requests' tokens
+        self._indexed: dict[str, int] = {}          # an admitted request's full blocks in the cache
+        self.query_tokens = self.hit_tokens = self.checkpoint_hits = 0
+
+    def lookup(self, req: Request) -> tuple[list[int], bytes | None]:
+        """The cached blocks a request may start from, and (hybrid) the hash of the checkpoint its
+        state resumes from. The last token is always fed, so there is something to sample."""
+        if self.cache is None:
+            return [], None
+        tokens = req.all_token_ids
+        hashes = self._chains.setdefault(req.id, self.cache.chain()).extend(tokens)
+        hit = self.cache.lookup(tokens, hashes[:(len(tokens) - 1) // self.block_size])
+        if not self.has_state:
+            return hit, None
+        resume = self.slots.latest(hashes, len(hit))    # K/V past the state would be rewritten
+        return hit[:resume], hashes[resume - 1] if resume else None
+
+    def idle_blocks(self, hit: list[int]) -> int:
+        """Cached blocks nobody holds: taking them uses up free blocks."""
+        return sum(self.cache.is_idle(b) for b in hit)
+
+    def admitted(self, req: Request, hit: list[int]) -> None:
+        if self.cache is not None:
+            self._indexed[req.id] = len(hit)
+            self.query_tokens += len(req.all_token_ids)
+            self.hit_tokens += req.num_computed_tokens
+
+    def take_slot(self, restore: bytes | None) -> int:
+        """A state slot for an admitted request: reset, or holding the restored checkpoint."""
+        if restore is None:
+            slot = self.slots.acquire()
+            self.engine.reset_state(slot)
+            return slot
+        self.checkpoint_hits += 1
+        slot = self.slots.acquire(keep=restore)
+        if slot is None:        # the checkpoint holds the only spare slot: resume in it
+            return self.slots.adopt(restore)
+        self.engine.copy_state(self.slots.use(restore), slot)
+        return slot
+
+    def _checkpoint_due(self, req: Request) -> int:
+        """The block boundary a later request with these tokens would resume from."""
+        bs = self.block_size
+        return (len(req.all_token_ids) - 1) // bs * bs
+
+    def prefill_end(self, req: Request) -> int:
+        """Where a prefill chunk may end: the end of the tokens, or (hybrid) a due checkpoint's
+        boundary, so that the state there exists after the step (if a slot is there to keep it)."""
+        due = self._checkpoint_due(req)
+        if (self.cache is not None and req.state_slot is not None and req.num_computed_tokens < due
+                and self.slots.available
+                and self._chains[req.id].hashes[due // self.block_size - 1] not in self.slots):
+            return due
+        return len(req.all_token_ids)
+
+    def remember(self, req: Request, row: PlanRow) -> None:
+        """After a step: index the request's newly computed full blocks; (hybrid) checkpoint the
+        state if the row ended on the due boundary (a sampling row ends on the last one)."""
+        if self.cache is None:
+            return
+        bs, done, tokens = self.block_size, req.num_computed_tokens, req.all_token_ids
+        chain = self._chains[req.id]
+        hashes = chain.extend(tokens)
+        for i in range(self._indexed[req.id], done // bs):
+            self.cache.insert(req.blocks[i].block_id, chain, i, tokens)
+        self._indexed[req.id] = done // bs
+        if (req.state_slot is None or done % bs or (not row.sample and done != self._checkpoint_due(req))
+                or hashes[done // bs - 1] in self.slots):
+            return
+        slot = self.slots.acquire()
+        if slot is not None:
+            self.engine.copy_state(req.state_slot, slot)
+            self.slots.add(hashes[done // bs - 1], slot)
+
+    def released(self, req: Request) -> None:
+        """The request gave back its blocks (finish or preemption): nothing more to index."""
+        self._indexed.pop(req.id, None)
+
+    def forget(self, req: Request) -> None:
+        self._chains.pop(req.id, None)
+
+    def stats(self) -> dict:
+        """The prefix-cache fields of SchedulerStats."""
+        return dict(
+            slots_used=self.slots.num_used, prefix_cache_query_tokens=self.query_tokens,
+            prefix_cache_hit_tokens=self.hit_tokens,
+            prefix_cache_hit_rate=self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
+            cached_blocks=0 if self.cache is None else self.cache.num_cached,
+            cache_evictions_total=0 if self.cache is None else self.cache.evictions,
+            checkpoints=self.slots.num_checkpoints, checkpoint_hits_total=self.checkpoint_hits,
+            checkpoint_evictions_total=self.slots.evictions)
