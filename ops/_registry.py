@@ -63,3 +63,27 @@ def impl(op: str, device: torch.device) -> Callable:
     if fn is None:
         raise NotImplementedError(f"pagedserve::{op} has no {backend} kernel yet")
     return fn
+
+
+class _Direct:
+    """`ops.direct.<op>(...)`: how model code calls pagedserve ops. Under torch.compile it is the
+    registered custom op, which inductor sees; in eager mode it is the backend body itself, skipping
+    custom_op's per-call Python dispatch and input checks (~70 us a call, measured here: on a CPU decode
+    step of a 28-layer model, ~250 op calls, that is more time than the norms themselves take)."""
+
+    def __getattr__(self, op: str) -> Callable:
+        registered = getattr(getattr(torch.ops, NAMESPACE), op)
+        label = f"{NAMESPACE}::{op}"
+
+        def call(*args):
+            if torch.compiler.is_compiling():
+                return registered(*args)
+            if torch.autograd.profiler._is_profiler_enabled:   # keep the op's name in profiles
+                with torch.profiler.record_function(label):
+                    return impl(op, args[0].device)(*args)
+            return impl(op, args[0].device)(*args)
+        setattr(self, op, call)
+        return call
+
+
+direct = _Direct()

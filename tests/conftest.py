@@ -32,3 +32,13 @@ def tiny_checkpoint(tmp_path_factory):
         return built[key]
 
     return build
+
+
+@pytest.fixture
+def cpp_kernels():
+    """The C++ CPU kernels registered for this test (and again after it, should it switch backends)."""
+    import ops.cpu
+    assert ops.cpu.kernels_available(), "the C++ kernels did not build on this machine (see ops.cpu's log line)"
+    ops.cpu.use_backend("cpp")
+    yield
+    ops.cpu.use_backend("cpp")

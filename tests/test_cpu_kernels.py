@@ -18,12 +18,7 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def cpp_kernels():
-    assert ops.cpu.kernels_available(), "the C++ kernels did not build on this machine (see ops.cpu's log line)"
-    ops.cpu.use_backend("cpp")
-    yield
-    ops.cpu.use_backend("cpp")
+pytestmark = pytest.mark.usefixtures("cpp_kernels")
 
 
 def _paged(rows, q_heads, kv_heads, head_dim, dtype, *, block=16, pad_tokens=0, head_slice=False, seed=0):

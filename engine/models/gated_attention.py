@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import ops  # noqa: F401  registers torch.ops.pagedserve
+import ops
 from engine.loading.model_config import ModelConfig
 from engine.models.batch import ForwardBatch
 
-pagedserve = torch.ops.pagedserve
+pagedserve = ops.direct
 
 
 class GatedAttention:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import ops  # noqa: F401  registers torch.ops.pagedserve
+import ops
 from engine.kv.pool import StateShape
 from engine.loading.model_config import ModelConfig
 from engine.models.batch import ForwardBatch
 
-pagedserve = torch.ops.pagedserve
+pagedserve = ops.direct
 
 
 def state_shape(cfg: ModelConfig, dtype: torch.dtype) -> StateShape:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import ops  # noqa: F401  registers torch.ops.pagedserve
+import ops
 from engine.loading.model_config import ModelConfig
 
-pagedserve = torch.ops.pagedserve
+pagedserve = ops.direct
 
 
 def _swiglu(get, prefix: str, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import ops  # noqa: F401  registers torch.ops.pagedserve
+import ops
 from engine.kv.pool import StateShape
 from engine.loading.model_config import ModelConfig
 from engine.models.batch import ForwardBatch
@@ -20,7 +20,7 @@ from engine.models.gated_deltanet import GatedDeltaNet, state_shape
 from engine.models.moe import MLP
 from ops.rotary import rope_cos_sin
 
-pagedserve = torch.ops.pagedserve
+pagedserve = ops.direct
 
 
 class _Layer:

@@ -4,7 +4,8 @@
 (~15 s, cached under the user cache dir, see ops/cpu/build.py). Without a working compiler one line is
 logged and the torch bodies stay registered. PAGEDSERVE_CPU_KERNELS=0 skips the build on purpose.
 
-Ops with a kernel: paged_attention (decode rows; prefill rows keep torch's SDPA), write_kv, rotary.
+Ops with a kernel: paged_attention (decode rows; prefill rows keep torch's SDPA), write_kv, rotary,
+quant_linear.
 rms_norm and silu_and_mul stay in torch: their outputs must equal transformers' bit for bit, and that
 depends on torch's own reduction order and exp implementation.
 """
@@ -20,6 +21,7 @@ from torch import Tensor
 from ops._registry import register, require
 from ops.cpu import build
 from ops.paged_attention import _check_lengths, _prefill_row, torch_paged_attention
+from ops.quant_linear import reference_quant_linear
 from ops.rotary import torch_rotary
 from ops.write_kv import torch_write_kv
 
@@ -63,10 +65,15 @@ def cpp_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary_
     return q_out, k_out
 
 
+def cpp_quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits: int,
+                     out_features: int) -> Tensor:
+    return _lib.quant_linear(x.contiguous(), qweight, scales, mins, bits, out_features)
+
+
 CPP_BODIES: dict[str, Callable] = {"paged_attention": cpp_paged_attention, "write_kv": cpp_write_kv,
-                                   "rotary": cpp_rotary}
+                                   "rotary": cpp_rotary, "quant_linear": cpp_quant_linear}
 TORCH_BODIES: dict[str, Callable] = {"paged_attention": torch_paged_attention, "write_kv": torch_write_kv,
-                                     "rotary": torch_rotary}
+                                     "rotary": torch_rotary, "quant_linear": reference_quant_linear}
 
 
 def kernels_available() -> bool:

@@ -1,0 +1,58 @@
+"""Timing pure decode steps through the scheduler: prime N decoders, then time `run_once` calls that
+are each exactly one decode row per request. Shared by the decode benches."""
+from __future__ import annotations
+
+import statistics
+import time
+
+from loadgen import greedy, random_prompts
+
+
+class Timed:
+    """Calls `fn` and keeps each call's wall time: our own median, whatever pytest-benchmark's
+    flags (--benchmark-disable runs once and keeps no stats)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.times: list[float] = []
+
+    def __call__(self, *args):
+        t0 = time.perf_counter()
+        out = self.fn(*args)
+        self.times.append(time.perf_counter() - t0)
+        return out
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+def generated(loop) -> dict[str, int]:
+    return {r.id: r.generated_tokens for r in loop.scheduler.stats().requests}
+
+
+def prime_decoders(loop, batch: int, context: int, max_tokens: int) -> None:
+    """Submit `batch` prompts of `context` tokens and step until every one is prefilled (has its first
+    token): from then on each step is exactly one decode row per request."""
+    for prompt in random_prompts(batch, context, seed=batch):
+        loop.submit(prompt, greedy(max_tokens), bounded=False)
+    while True:
+        loop.run_once()
+        counts = generated(loop)
+        if len(counts) == batch and min(counts.values()) >= 1:
+            return
+
+
+def time_decode(benchmark, loop, batch: int, context: int, max_tokens: int, steps: int, warmup: int = 2) -> Timed:
+    """Time `steps` decode steps of `batch` requests (after `warmup`), check each was a pure decode,
+    then cancel the requests; the loop stays usable."""
+    prime_decoders(loop, batch, context, max_tokens)
+    before = generated(loop)
+    step = Timed(loop.run_once)
+    benchmark.pedantic(step, rounds=steps, warmup_rounds=warmup, iterations=1)
+    after = generated(loop)
+    loop.stop()                 # no thread: cancels inline
+    loop.run_until_idle()
+    assert after == {rid: n + steps + warmup for rid, n in before.items()}, "a timed step was not a pure decode"
+    assert loop.scheduler.stats().blocks_used == 0
+    return step

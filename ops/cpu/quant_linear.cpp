@@ -1,0 +1,284 @@
+// pagedserve::quant_linear on CPUs: y = x @ W.T with W in int4/int8 groups of 32 (layout: ops/quant_linear.py).
+// x is quantized to int8 per (row, 32-block) once per call; each (row, group) dot product is exact in int32
+// (AVX2 maddubs/madd), then scaled in fp32: acc += (scale * dx) * isum + min * (dx * sum xq).
+// Threads split the weight's 8-row tiles; within a thread a chunk of x rows stays in L2 while its tiles
+// stream by, and each tile-group of weights is unpacked once for up to kRowBlock x rows.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "bf16.h"
+
+namespace {
+
+using pagedserve_cpu::from_float;
+using pagedserve_cpu::to_float;
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kTile = 8;              // output rows per weight tile
+constexpr int kRowBlock = 4;              // x rows sharing one unpacked tile-group (register budget)
+constexpr int64_t kChunkBytes = 256 << 10;  // quantized x rows kept hot per pass over a thread's tiles
+
+// x quantized per (row, block of 32): xq = round_half_even(x / dx), dx = amax / 127 (0 for a zero block).
+struct Activations {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> dx;     // [M, G]
+  std::vector<float> dx_sum; // [M, G] dx * sum(xq): what a group's min is multiplied by
+};
+
+// The same fp32 operations as ops.quant_linear.quantize_activations (division, not a reciprocal), so
+// the integers agree exactly with the torch reference.
+template <typename T>
+void quantize_block(const T* x, int8_t* q, float* dx_out, float* dx_sum_out) {
+  float f[kGroup];
+  float amax = 0.f;
+  for (int i = 0; i < kGroup; ++i) {
+    f[i] = to_float(x[i]);
+    amax = std::max(amax, std::fabs(f[i]));
+  }
+  const float dx = amax / 127.f;
+  int32_t sum = 0;
+  if (dx == 0.f) {
+    std::fill(q, q + kGroup, int8_t{0});
+  } else {
+#ifdef __AVX2__
+    const __m256 d = _mm256_set1_ps(dx);
+    __m256i v[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(f + 8 * j), d),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v[j] = _mm256_cvtps_epi32(r);
+    }
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    sum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+    // packs interleave the 128-bit lanes; the permute puts the 32 values back in order
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    for (int i = 0; i < kGroup; ++i) {
+      q[i] = static_cast<int8_t>(std::nearbyint(f[i] / dx));
+      sum += q[i];
+    }
+#endif
+  }
+  *dx_out = dx;
+  *dx_sum_out = dx * static_cast<float>(sum);
+}
+
+template <typename T>
+Activations quantize_activations(const T* x, int64_t rows, int64_t k) {
+  const int64_t groups = k / kGroup;
+  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups), std::vector<float>(rows * groups)};
+  at::parallel_for(0, rows * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      quantize_block(x + b * kGroup, a.q.data() + b * kGroup, &a.dx[b], &a.dx_sum[b]);
+  });
+  return a;
+}
+
+// What a tile kernel reads: one 8-row weight tile and `MR` consecutive quantized x rows.
+struct TileArgs {
+  const void* weight;     // the tile's [G, bytes per group]
+  const float* scales;    // [G, 8]
+  const float* mins;      // [G, 8] or nullptr
+  const int8_t* xq;       // first x row, rows `k` apart
+  const float* dx;        // [rows, G]
+  const float* dx_sum;
+  int64_t k, groups;
+};
+
+#ifdef __AVX2__
+
+inline __m256 group_sum_to_acc(__m256i isum, __m256 scale, __m256 min, bool has_mins, float dx, float dx_sum,
+                               __m256 acc) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc);
+  return has_mins ? _mm256_fmadd_ps(min, _mm256_set1_ps(dx_sum), acc) : acc;
+}
+
+// int4: a 32-byte load holds rows (p, p+4) of a group; low nibbles are k 0..15, high nibbles k 16..31,
+// so x's two 16-byte halves are broadcast to both lanes. hadd(hadd(P0,P1), hadd(P2,P3)) = rows 0..7.
+template <int MR>
+void tile_int4(const TileArgs& a, float* out) {
+  const auto* w = static_cast<const uint8_t*>(a.weight);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const bool has_mins = a.mins != nullptr;
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* wg = w + g * 128;
+    __m256i lo_x[MR], hi_x[MR], pairs[MR][4];
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xr = a.xq + r * a.k + g * kGroup;
+      lo_x[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr)));
+      hi_x[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16)));
+    }
+    for (int p = 0; p < 4; ++p) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
+      const __m256i lo = _mm256_and_si256(v, nibble);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      for (int r = 0; r < MR; ++r) {
+        // u4 * s8 pair sums stay below 2 * 15 * 127, so adding the two halves cannot saturate int16
+        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, lo_x[r]), _mm256_maddubs_epi16(hi, hi_x[r]));
+        pairs[r][p] = _mm256_madd_epi16(s16, ones);
+      }
+    }
+    const __m256 scale = _mm256_loadu_ps(a.scales + g * kTile);
+    const __m256 min = has_mins ? _mm256_loadu_ps(a.mins + g * kTile) : _mm256_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      const __m256i isum = _mm256_hadd_epi32(_mm256_hadd_epi32(pairs[r][0], pairs[r][1]),
+                                             _mm256_hadd_epi32(pairs[r][2], pairs[r][3]));
+      const int64_t at = r * a.groups + g;
+      acc[r] = group_sum_to_acc(isum, scale, min, has_mins, a.dx[at], a.dx_sum[at], acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
+}
+
+// int8: one row's group per 32-byte load; maddubs needs an unsigned operand, so |w| times x with w's sign.
+// Two hadd levels leave rows 0..3 (and 4..7) in both lanes as partial sums; the lane swap adds them.
+template <int MR>
+void tile_int8(const TileArgs& a, float* out) {
+  const auto* w = static_cast<const int8_t*>(a.weight);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const bool has_mins = a.mins != nullptr;
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const int8_t* wg = w + g * 256;
+    __m256i xv[MR], rows[MR][8];
+    for (int r = 0; r < MR; ++r)
+      xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.xq + r * a.k + g * kGroup));
+    for (int j = 0; j < 8; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * j));
+      const __m256i magnitude = _mm256_sign_epi8(v, v);
+      for (int r = 0; r < MR; ++r)
+        rows[r][j] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[r], v)), ones);
+    }
+    const __m256 scale = _mm256_loadu_ps(a.scales + g * kTile);
+    const __m256 min = has_mins ? _mm256_loadu_ps(a.mins + g * kTile) : _mm256_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      const __m256i* s = rows[r];
+      const __m256i r03 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+      const __m256i r47 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+      const __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(r03, r47, 0x20),
+                                            _mm256_permute2x128_si256(r03, r47, 0x31));
+      const int64_t at = r * a.groups + g;
+      acc[r] = group_sum_to_acc(isum, scale, min, has_mins, a.dx[at], a.dx_sum[at], acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
+}
+
+#else  // portable path for hosts without AVX2: same layout, scalar loops
+
+inline int32_t weight_q(const void* weight, int bits, int64_t g, int row, int i) {
+  if (bits == 8) return static_cast<const int8_t*>(weight)[g * 256 + row * kGroup + i];
+  static constexpr int kSlot[kTile] = {0, 2, 4, 6, 1, 3, 5, 7};  // storage position of row 0..7
+  const uint8_t byte = static_cast<const uint8_t*>(weight)[g * 128 + kSlot[row] * 16 + i % 16];
+  return i < 16 ? (byte & 0x0F) : (byte >> 4);
+}
+
+template <int MR>
+void tile_scalar(const TileArgs& a, int bits, float* out) {
+  std::fill(out, out + MR * kTile, 0.f);
+  for (int64_t g = 0; g < a.groups; ++g)
+    for (int r = 0; r < MR; ++r)
+      for (int row = 0; row < kTile; ++row) {
+        const int8_t* xr = a.xq + r * a.k + g * kGroup;
+        int32_t isum = 0;
+        for (int i = 0; i < kGroup; ++i) isum += weight_q(a.weight, bits, g, row, i) * xr[i];
+        const int64_t at = r * a.groups + g;
+        out[r * kTile + row] += a.scales[g * kTile + row] * a.dx[at] * static_cast<float>(isum);
+        if (a.mins) out[r * kTile + row] += a.mins[g * kTile + row] * a.dx_sum[at];
+      }
+}
+
+#endif
+
+template <int MR>
+void run_tile(const TileArgs& a, int bits, float* out) {
+#ifdef __AVX2__
+  if (bits == 4) tile_int4<MR>(a, out);
+  else tile_int8<MR>(a, out);
+#else
+  tile_scalar<MR>(a, bits, out);
+#endif
+}
+
+void run_rows(const TileArgs& a, int bits, int rows, float* out) {
+  switch (rows) {
+    case 1: return run_tile<1>(a, bits, out);
+    case 2: return run_tile<2>(a, bits, out);
+    case 3: return run_tile<3>(a, bits, out);
+    default: return run_tile<kRowBlock>(a, bits, out);
+  }
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, int64_t bits, int64_t out_features) {
+  const char* op = "pagedserve_cpu::quant_linear";
+  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits=", bits, "; allowed: 4, 8");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kGroup == 0, op,
+              ": x must be contiguous [M, K] with K a multiple of 32, got ", x.sizes());
+  const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup, tiles = qweight.size(0);
+  const int64_t group_bytes = kTile * kGroup * bits / 8;
+  TORCH_CHECK(qweight.dim() == 3 && qweight.is_contiguous() && qweight.size(1) == groups &&
+                  qweight.size(2) == group_bytes && qweight.element_size() == 1,
+              op, ": qweight must be contiguous 1-byte [tiles, ", groups, ", ", group_bytes, "], got ", qweight.sizes());
+  const bool has_mins = mins.has_value() && mins->defined();
+  for (const at::Tensor* t : {&scales, has_mins ? &*mins : &scales})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == tiles &&
+                    t->size(1) == groups && t->size(2) == kTile,
+                op, ": scales and mins must be contiguous float32 [", tiles, ", ", groups, ", 8], got ", t->sizes());
+  TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, op, ": out_features=",
+              out_features, " does not fit ", tiles, " tiles of 8 rows");
+  auto out = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return out;
+  PAGEDSERVE_DISPATCH_F32_BF16(x.scalar_type(), op, [&] {
+    const Activations act = quantize_activations(static_cast<const scalar_t*>(x.data_ptr()), rows, k);
+    auto* y = static_cast<scalar_t*>(out.data_ptr());
+    const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
+    const float* sc = scales.data_ptr<float>();
+    const float* mn = has_mins ? mins->data_ptr<float>() : nullptr;
+    const int64_t chunk = std::max<int64_t>(kRowBlock, kChunkBytes / k / kRowBlock * kRowBlock);
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      float acc[kRowBlock * kTile];
+      for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+        const int64_t m_end = std::min(rows, m0 + chunk);
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t n0 = t * kTile, valid = std::min(kTile, out_features - n0);
+          for (int64_t m = m0; m < m_end; m += kRowBlock) {
+            const int block = static_cast<int>(std::min<int64_t>(kRowBlock, m_end - m));
+            const TileArgs args{w + t * groups * group_bytes, sc + t * groups * kTile,
+                                mn ? mn + t * groups * kTile : nullptr, act.q.data() + m * k,
+                                act.dx.data() + m * groups, act.dx_sum.data() + m * groups, k, groups};
+            run_rows(args, static_cast<int>(bits), block, acc);
+            for (int r = 0; r < block; ++r)
+              for (int64_t j = 0; j < valid; ++j) y[(m + r) * out_features + n0 + j] = from_float<scalar_t>(acc[r * kTile + j]);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int bits, int out_features) -> Tensor",
+        &quant_linear);
+}

@@ -1,0 +1,260 @@
+"""`pagedserve::quant_linear`: y = x @ W.T with W stored as 4- or 8-bit integers in groups of 32 along K.
+
+Meaning of a weight: w[n, k] = scales[n, k // 32] * q[n, k] + mins[n, k // 32] (mins absent = 0);
+int4 q in 0..15, int8 q in -128..127.
+
+Numerics (as llama.cpp): x is quantized per (row, 32-value block) to int8, dx = amax|x_block| / 127,
+xq = round-half-even(x / dx) (an all-zero block gives dx = 0, xq = 0), and per (row, group)
+    sum_k w * x = dx * (scale * sum q * xq + min * sum xq)
+with exact integer sums. The reference body below does this math in float64; the C++ kernel
+(ops/cpu/quant_linear.cpp) does it with AVX2 integer dot products and fp32 accumulation.
+
+Kernel layout (what `QuantizedWeight` holds). Output rows are padded to tiles of 8 (ROW_TILE);
+T = ceil(N / 8) tiles, G = K / 32 groups:
+    int8: qweight int8  [T, G, 256]: the tile's 8 rows of one group, 32 bytes each, rows in order.
+    int4: qweight uint8 [T, G, 128]: 16 bytes per row; byte j holds q[k=j] in its low nibble and
+          q[k=j+16] in its high one; rows stored in the order 0,4,1,5,2,6,3,7 so that one 32-byte load
+          holds rows (p, p+4) and a three-step horizontal add yields the 8 row sums in order.
+    scales, mins: float32 [T, G, 8]: the 8 rows' values of a group are one vector load.
+Padding rows have q = 0, scale = 0, min = 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.errors import UserError
+from ops._registry import NAMESPACE, direct, impl, register, require
+
+GROUP = 32                  # values per quantization group along K
+ROW_TILE = 8                # output rows the kernel computes together; N is padded to a multiple
+_INT4_ROW_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+_INT4_ROW_ORDER_INVERSE = (0, 2, 4, 6, 1, 3, 5, 7)
+_GROUP_BYTES = {4: ROW_TILE * GROUP // 2, 8: ROW_TILE * GROUP}
+_Q_DTYPE = {4: torch.uint8, 8: torch.int8}
+_Q_RANGE = {4: (0, 15), 8: (-128, 127)}
+
+
+class QuantError(UserError, ValueError):
+    """Quantized weights that cannot be built or used; the message names the value and what is allowed."""
+
+
+def _pack(q: Tensor, bits: int) -> Tensor:
+    """[Np, K] integers (Np a multiple of 8) -> kernel layout [T, G, bytes per tile-group]."""
+    tiles, groups = q.shape[0] // ROW_TILE, q.shape[1] // GROUP
+    rows = q.view(tiles, ROW_TILE, groups, GROUP).permute(0, 2, 1, 3)       # [T, G, 8, 32]
+    if bits == 8:
+        return rows.contiguous().view(tiles, groups, _GROUP_BYTES[8])
+    rows = rows[:, :, list(_INT4_ROW_ORDER)]
+    packed = rows[..., :GROUP // 2] | (rows[..., GROUP // 2:] << 4)
+    return packed.contiguous().view(tiles, groups, _GROUP_BYTES[4])
+
+
+def _unpack(qweight: Tensor, bits: int) -> Tensor:
+    """Kernel layout -> [Np, K] integers (exact inverse of _pack)."""
+    tiles, groups = qweight.shape[:2]
+    if bits == 8:
+        rows = qweight.view(tiles, groups, ROW_TILE, GROUP)
+    else:
+        packed = qweight.view(tiles, groups, ROW_TILE, GROUP // 2)
+        rows = torch.cat([packed & 0x0F, packed >> 4], dim=-1)[:, :, list(_INT4_ROW_ORDER_INVERSE)]
+    return rows.permute(0, 2, 1, 3).reshape(tiles * ROW_TILE, groups * GROUP)
+
+
+def _tile_per_group(values: Tensor) -> Tensor:
+    """[Np, G] -> [T, G, 8]."""
+    return values.view(-1, ROW_TILE, values.shape[1]).transpose(1, 2).contiguous()
+
+
+def _untile_per_group(values: Tensor) -> Tensor:
+    """[T, G, 8] -> [Np, G]."""
+    return values.transpose(1, 2).reshape(-1, values.shape[1])
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A [N, K] weight in the kernel layout described in this module's docstring."""
+    bits: int
+    out_features: int
+    in_features: int
+    qweight: Tensor
+    scales: Tensor
+    mins: Tensor | None
+
+    @classmethod
+    def from_groups(cls, q: Tensor, scales: Tensor, mins: Tensor | None, bits: int) -> QuantizedWeight:
+        """q: [N, K] (bits=4: uint8 0..15; bits=8: int8); scales, mins: float32 [N, K // 32]."""
+        if bits not in _Q_DTYPE:
+            raise QuantError(f"bits={bits}: allowed are 4 and 8")
+        if q.dim() != 2 or q.dtype != _Q_DTYPE[bits]:
+            raise QuantError(f"q must be a 2-D {_Q_DTYPE[bits]} tensor for bits={bits}, "
+                             f"got {q.dtype} {tuple(q.shape)}")
+        n, k = q.shape
+        if n == 0 or k == 0 or k % GROUP:
+            raise QuantError(f"q is [{n}, {k}]: out_features must be > 0 and in_features a positive "
+                             f"multiple of {GROUP}")
+        low, high = _Q_RANGE[bits]
+        if bits == 4 and int(q.max()) > high:
+            raise QuantError(f"bits=4 q values must lie in {low}..{high}, got a maximum of {int(q.max())}")
+        for name, t in (("scales", scales), ("mins", mins)):
+            if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (n, k // GROUP)):
+                raise QuantError(f"{name} must be float32 [{n}, {k // GROUP}] (one per row and group of "
+                                 f"{GROUP}), got {t.dtype} {tuple(t.shape)}")
+        pad = -n % ROW_TILE
+        q = torch.nn.functional.pad(q.cpu(), (0, 0, 0, pad))
+        tiled = [None if t is None else _tile_per_group(torch.nn.functional.pad(t.cpu(), (0, 0, 0, pad)))
+                 for t in (scales, mins)]
+        return cls(bits, n, k, _pack(q, bits), tiled[0], tiled[1])
+
+    def to_groups(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(q, scales, mins) as given to from_groups."""
+        n = self.out_features
+        q = _unpack(self.qweight, self.bits)[:n]
+        mins = None if self.mins is None else _untile_per_group(self.mins)[:n].contiguous()
+        return q.contiguous(), _untile_per_group(self.scales)[:n].contiguous(), mins
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """[N, K] weights from the formula: exact in float64; otherwise evaluated in float32 (one rounding
+        per product and per added min), then cast to `dtype`."""
+        q, scales, mins = self.to_groups()
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        w = q.to(work).view(q.shape[0], -1, GROUP) * scales.to(work)[..., None]
+        if mins is not None:
+            w = w + mins.to(work)[..., None]
+        return w.view(q.shape).to(dtype)
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """The weights stacked along N (e.g. q, k and v projections into one). Parts without mins
+        get zero mins when another part has them."""
+        if not parts:
+            raise QuantError("QuantizedWeight.cat needs at least one part")
+        first = parts[0]
+        for p in parts:
+            if (p.bits, p.in_features) != (first.bits, first.in_features):
+                raise QuantError(f"QuantizedWeight.cat parts must share bits and in_features: got "
+                                 f"{first.describe()} K={first.in_features} and {p.describe()} K={p.in_features}")
+        with_mins = any(p.mins is not None for p in parts)
+
+        def mins_of(scales: Tensor, mins: Tensor | None) -> Tensor:
+            return torch.zeros_like(scales) if mins is None else mins
+        if all(p.out_features % ROW_TILE == 0 for p in parts[:-1]):
+            # no padding rows inside the result: the tiles stack as they are
+            mins = torch.cat([mins_of(p.scales, p.mins) for p in parts]) if with_mins else None
+            return QuantizedWeight(first.bits, sum(p.out_features for p in parts), first.in_features,
+                                   torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                                   mins)
+        groups = [p.to_groups() for p in parts]
+        mins = torch.cat([mins_of(g[1], g[2]) for g in groups]) if with_mins else None
+        return QuantizedWeight.from_groups(torch.cat([g[0] for g in groups]), torch.cat([g[1] for g in groups]),
+                                           mins, first.bits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins) if t is not None)
+
+    def describe(self) -> str:
+        return f"int{self.bits} g{GROUP} {'sym' if self.mins is None else 'asym'}"
+
+
+def _weight_groups(w: Tensor, group_size: int) -> Tensor:
+    """[N, K] float -> float32 [N, K // group_size, group_size], validated."""
+    if group_size <= 0 or group_size % GROUP:
+        raise QuantError(f"group_size={group_size}: must be a positive multiple of {GROUP}")
+    if w.dim() != 2 or not w.is_floating_point() or w.shape[1] % group_size:
+        raise QuantError(f"w must be a 2-D float [N, K] tensor with K a multiple of group_size={group_size}, "
+                         f"got {w.dtype} {tuple(w.shape)}")
+    return w.detach().cpu().float().view(w.shape[0], -1, group_size)
+
+
+def _per_group32(values: Tensor, group_size: int) -> Tensor:
+    """[N, K // group_size] -> [N, K // 32]: a larger group's value repeated for each 32 it spans."""
+    return values.repeat_interleave(group_size // GROUP, dim=1).contiguous()
+
+
+def quantize_int8(w: Tensor, group_size: int = GROUP) -> QuantizedWeight:
+    """Symmetric: scale = amax / 127 per group, q = round(w / scale), no mins."""
+    groups = _weight_groups(w, group_size)
+    scales = groups.abs().amax(-1) / 127
+    safe = torch.where(scales > 0, scales, 1.0)[..., None]
+    q = torch.round(groups / safe).clamp(-127, 127).to(torch.int8).view(w.shape)
+    return QuantizedWeight.from_groups(q, _per_group32(scales, group_size), None, 8)
+
+
+def quantize_int4(w: Tensor, group_size: int = GROUP) -> QuantizedWeight:
+    """Asymmetric: per group min and scale = (max - min) / 15, q = round((w - min) / scale) in 0..15."""
+    groups = _weight_groups(w, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = (high - low) / 15
+    safe = torch.where(scales > 0, scales, 1.0)[..., None]
+    q = torch.round((groups - low[..., None]) / safe).clamp(0, 15).to(torch.uint8).view(w.shape)
+    return QuantizedWeight.from_groups(q, _per_group32(scales, group_size), _per_group32(low, group_size), 4)
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (xq [M, K] float32 holding integers in -127..127, dx [M, K // 32] float32)."""
+    blocks = x.float().view(x.shape[0], x.shape[1] // GROUP, GROUP)
+    dx = blocks.abs().amax(-1) / 127
+    xq = torch.where(dx[..., None] > 0, torch.round(blocks / dx[..., None]), 0.0)
+    return xq.view(x.shape), dx
+
+
+def _check(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits: int, out_features: int) -> None:
+    op = "quant_linear"
+    require(bits in _Q_DTYPE, op, f"bits={bits}: allowed are 4 and 8")
+    require(x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16), op,
+            f"x must be 2-D [M, K] float32 or bfloat16, got {x.dtype} {tuple(x.shape)}")
+    require(qweight.dim() == 3 and qweight.dtype == _Q_DTYPE[bits] and qweight.shape[2] == _GROUP_BYTES[bits]
+            and qweight.is_contiguous(), op,
+            f"qweight must be a contiguous {_Q_DTYPE[bits]} [tiles, K/{GROUP}, {_GROUP_BYTES[bits]}] tensor for "
+            f"bits={bits} (build it with QuantizedWeight), got {qweight.dtype} {tuple(qweight.shape)}")
+    tiles, groups = qweight.shape[:2]
+    for name, t in (("scales", scales), ("mins", mins)):
+        require(t is None or (t.dtype == torch.float32 and t.shape == (tiles, groups, ROW_TILE)
+                              and t.is_contiguous()), op,
+                f"{name} must be contiguous float32 [{tiles}, {groups}, {ROW_TILE}] to match qweight, "
+                f"got {None if t is None else (t.dtype, tuple(t.shape))}")
+    require(x.shape[1] == groups * GROUP, op,
+            f"x has K={x.shape[1]} features, the weight has {groups * GROUP} ({groups} groups of {GROUP})")
+    require((tiles - 1) * ROW_TILE < out_features <= tiles * ROW_TILE, op,
+            f"out_features={out_features} does not fit {tiles} tiles of {ROW_TILE} rows")
+    require(x.device == qweight.device, op, f"x is on {x.device}, the weight on {qweight.device}")
+
+
+@register("quant_linear", "cpu")
+@register("quant_linear", "cuda")
+def reference_quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits: int,
+                           out_features: int) -> Tensor:
+    """The kernel's math in float64: quantized activations times the exactly dequantized weights."""
+    xq, dx = quantize_activations(x)
+    x_used = (xq.double().view(*dx.shape, GROUP) * dx.double()[..., None]).view(x.shape)
+    w = QuantizedWeight(bits, out_features, x.shape[1], qweight, scales, mins).dequantize(torch.float64)
+    return (x_used @ w.T).to(x.dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::quant_linear", mutates_args=())
+def quant_linear_op(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits: int,
+                    out_features: int) -> Tensor:
+    _check(x, qweight, scales, mins, bits, out_features)
+    return impl("quant_linear", x.device)(x, qweight, scales, mins, bits, out_features)
+
+
+@quant_linear_op.register_fake
+def _(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits: int, out_features: int) -> Tensor:
+    _check(x, qweight, scales, mins, bits, out_features)
+    return x.new_empty((x.shape[0], out_features))
+
+
+def quant_linear(x: Tensor, w: QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] float32 or bfloat16 -> [..., N] in x.dtype. Calls the op through `ops._registry.direct`:
+    in eager mode that skips custom_op's per-call dispatch (~40 us, a real share of a decode step)."""
+    if x.shape[-1] != w.in_features:
+        raise QuantError(f"x has {x.shape[-1]} features, the quantized weight ({w.describe()}, "
+                         f"[{w.out_features}, {w.in_features}]) expects {w.in_features}")
+    flat = x if x.dim() == 2 else x.reshape(-1, w.in_features)
+    out = direct.quant_linear(flat, w.qweight, w.scales, w.mins, w.bits, w.out_features)
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], w.out_features)
+    return out if bias is None else out + bias.to(out.dtype)
