@@ -22,8 +22,8 @@ from engine.errors import UserError
 from engine.request import SamplingParams
 
 ENV_PREFIX = "PAGEDSERVE_"
-COMMON_ENGINE_FLAGS = ("model", "dtype", "device", "max_concurrency", "kv_pool_tokens", "block_size",
-                       "max_model_len", "compile", "threads")
+COMMON_ENGINE_FLAGS = ("model", "dtype", "quantization", "device", "max_concurrency", "kv_pool_tokens",
+                       "block_size", "max_model_len", "compile", "threads")
 _CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, bool: click.BOOL}
 
 

@@ -12,6 +12,7 @@ from engine.loading.checkpoint import open_checkpoint
 from engine.loading.model_config import ModelConfig, parse_model_config
 from engine.loading.tokenizer import load_tokenizer
 from engine.loop import EngineLoop
+from engine.models.linear import LinearLoader
 from engine.models.qwen3 import DenseDecoder
 from engine.models.qwen3_5 import HybridDecoder
 from engine.runner import ModelRunner, PrefillBudget
@@ -45,6 +46,16 @@ def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
     return DTYPES[cfg.dtype]
 
 
+def resolve_quantization(cfg: EngineConfig, device: torch.device) -> str:
+    """The quantization mode this run can use: the quantized-linear kernels run on CPUs only."""
+    if device.type == "cpu" or cfg.quantization == "none":
+        return cfg.quantization
+    if cfg.quantization == "auto":
+        return "none"
+    raise ConfigError([f'quantization = "{cfg.quantization}" runs on CPUs only; on {device.type} use '
+                       f'"none" or "auto" (which widens a GGUF to dtype there)'])
+
+
 def resolve_max_model_len(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     limit = model_cfg.max_position_embeddings
     if cfg.max_model_len > limit:
@@ -69,15 +80,23 @@ class Engine:
     max_model_len: int
     state_pool: StatePool | None = None
 
+    @property
+    def weights(self) -> str:
+        """The linear weights' formats: the loader's count for dense models, else the dtype."""
+        linears = getattr(self.model, "linears", None)
+        return linears.describe() if linears is not None else str(self.dtype).removeprefix("torch.")
+
 
 def build_engine(cfg: EngineConfig, progress=None) -> Engine:
     from engine.loading.resolve import resolve_model
 
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
+    quantization = resolve_quantization(cfg, device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    path = resolve_model(cfg.model, dtype=str(dtype).removeprefix("torch."), progress=progress)
+    path = resolve_model(cfg.model, dtype=str(dtype).removeprefix("torch."), progress=progress,
+                         keep_quantized=quantization != "none")
     ckpt = open_checkpoint(path)
     model_cfg = parse_model_config(ckpt.config, source=os.path.join(str(path), "config.json"))
     eos = tuple(dict.fromkeys(ckpt.generation_eos_ids() + model_cfg.eos_token_ids))
@@ -86,10 +105,14 @@ def build_engine(cfg: EngineConfig, progress=None) -> Engine:
         eos += (tokenizer.eos_token_id,)
     max_len = resolve_max_model_len(cfg, model_cfg)
     if model_cfg.is_hybrid:
+        if quantization in ("int8", "int4"):
+            raise ConfigError([f'quantization = "{quantization}" supports dense models (Qwen2/Qwen3/Llama); '
+                               f'{model_cfg.architecture} runs in dtype: use "auto" or "none"'])
         model = HybridDecoder(model_cfg, ckpt, dtype, device)
         kv_layers, state_shape = model.num_kv_layers, model.state_shape
     else:
-        model = DenseDecoder(model_cfg, ckpt, dtype, device)
+        model = DenseDecoder(model_cfg, ckpt, dtype, device,
+                             LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))
         kv_layers, state_shape = model_cfg.num_layers, None
     num_slots = plan_num_state_slots(cfg.max_concurrency, cfg.state_spare_slots) if state_shape else 0
     shape = KVShape(kv_layers, model_cfg.num_kv_heads, model_cfg.head_dim, cfg.block_size, dtype)

@@ -17,6 +17,7 @@ class EngineInfo:
     model_path: str
     architecture: str
     dtype: str
+    weights: str            # linear weights by format, e.g. "int4 g32 asym x141, int8 g32 x57"
     device: str
     max_model_len: int
     max_concurrency: int
@@ -66,7 +67,7 @@ class EngineClient:
         return EngineInfo(
             model=e.config.model, model_path=e.model_path,
             architecture=e.model_config.architecture, dtype=str(e.dtype).removeprefix("torch."),
-            device=str(e.device), max_model_len=e.max_model_len,
+            weights=e.weights, device=str(e.device), max_model_len=e.max_model_len,
             max_concurrency=e.config.max_concurrency, block_size=e.pool.shape.block_size,
             num_blocks=e.pool.num_blocks, kv_pool_tokens=e.pool.num_blocks * e.pool.shape.block_size,
             num_state_slots=0)

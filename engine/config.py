@@ -64,6 +64,10 @@ class EngineConfig:
                       bool, "the model to serve: a preset name (`pagedserve models`), a Hugging Face checkpoint dir or a .gguf file")
     dtype: str = _choice("auto", ("auto", "bfloat16", "float32", "float16"),
                          "weights and activations dtype; auto = bfloat16 on GPUs and on CPUs with fast bf16 (AVX-512 BF16, AMX), else float32")
+    quantization: str = _choice("auto", ("auto", "none", "int8", "int4"),
+                                "linear-layer weights on CPU; auto = as stored (a GGUF stays quantized), none = widen to dtype, int8/int4 = quantize at load")
+    quant_group_size: int = _key(32, "a multiple of 32 between 32 and 4096", lambda v: 32 <= v <= 4096 and v % 32 == 0,
+                                 "values per scale when quantization = int8/int4 quantizes a dense checkpoint at load")
     device: str = _choice("auto", ("auto", "cpu", "cuda"), "where to run; auto = cuda when a GPU is visible, else cpu")
     max_concurrency: int = _key(8, "an integer >= 1", lambda v: v >= 1,
                                 "most requests decoded at once (rows per step)")

@@ -214,7 +214,7 @@ def converter(monkeypatch, tmp_path):
     calls = []
     out = tmp_path / "converted"
 
-    def gguf_to_hf_dir(gguf_path, dtype="bfloat16", cache_root=None, progress=None):
+    def gguf_to_hf_dir(gguf_path, dtype="bfloat16", cache_root=None, progress=None, keep_quantized=False):
         calls.append((gguf_path, dtype, cache_root))
         return out
 

@@ -14,7 +14,15 @@ from safetensors import SafetensorError, safe_open
 from engine.errors import UserError
 
 SINGLE_FILE = "model.safetensors"
+GROUP_SUFFIXES = (".qvalues", ".qscales", ".qmins")   # a weight stored quantized: see group_tensor_names
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def group_tensor_names(name: str) -> tuple[str, str, str]:
+    """The stored names of a weight kept in group form (ops/quant_linear.py: w = scale * q + min):
+    integer values [N, K] (uint8 = int4 values, int8 = int8), then float32 scales and mins [N, K/32]
+    (mins absent when zero)."""
+    return tuple(name + suffix for suffix in GROUP_SUFFIXES)
 
 
 class CheckpointError(UserError, ValueError):
@@ -67,8 +75,34 @@ class Checkpoint:
             return self._weight_map[nested], nested
         raise CheckpointError(f"{self._listing}: tensor {name!r} is missing")
 
+    def is_quantized(self, name: str) -> bool:
+        return self.has(group_tensor_names(name)[0])
+
+    def get_linear(self, name: str, shape: tuple[int, int], dtype: torch.dtype):
+        """A linear layer's weight: a QuantizedWeight when the checkpoint keeps it in group form,
+        else the dense tensor in `dtype`."""
+        if not self.is_quantized(name):
+            return self.get(name, shape, dtype)
+        from ops.quant_linear import GROUP, QuantError, QuantizedWeight
+
+        values, scales, mins = group_tensor_names(name)
+        q = self._read(values, shape)
+        groups = (shape[0], shape[1] // GROUP)
+        bits = {torch.uint8: 4, torch.int8: 8}.get(q.dtype)
+        if bits is None:
+            raise CheckpointError(f"{self._locate(values)[0]}: tensor {values!r} is {q.dtype}; "
+                                  "group values are uint8 (int4) or int8")
+        try:
+            return QuantizedWeight.from_groups(q, self._read(scales, groups).float(),
+                                               self._read(mins, groups).float() if self.has(mins) else None, bits)
+        except QuantError as e:
+            raise CheckpointError(f"{self._locate(values)[0]}: weight {name!r}: {e}") from None
+
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The tensor `name`, checked to have `shape`, cast once to `dtype`, contiguous."""
+        return self._read(name, shape).to(dtype).contiguous()
+
+    def _read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         file, stored = self._locate(name)
         handle = self._handles[file]
         try:
@@ -80,7 +114,7 @@ class Checkpoint:
         except SafetensorError as e:
             raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({e}); "
                                   f"the file may be truncated") from None
-        return tensor.to(dtype).contiguous()
+        return tensor
 
     def generation_eos_ids(self) -> tuple[int, ...]:
         """End-of-sequence ids from generation_config.json; () when the file or key is absent."""

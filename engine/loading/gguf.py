@@ -21,6 +21,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, quants
 from safetensors.torch import save_file
 
+from engine.loading import gguf_quant
+from engine.loading.checkpoint import group_tensor_names
 from engine.loading.gguf_tokenizer import GGUFTokenizerError, write_tokenizer_files
 from engine.errors import UserError
 
@@ -62,8 +64,10 @@ def default_cache_root() -> Path:
 
 
 def gguf_to_hf_dir(gguf_path: str | Path, dtype: str = "bfloat16", cache_root: Path | None = None,
-                   progress: Progress | None = None) -> Path:
-    """The HF checkpoint dir for this GGUF file in `dtype`, converted on first use and cached."""
+                   progress: Progress | None = None, keep_quantized: bool = False) -> Path:
+    """The HF checkpoint dir for this GGUF file in `dtype`, converted on first use and cached.
+    `keep_quantized`: linear weights in a quantized type are stored in group form (gguf_quant.py)
+    instead of widened; embeddings, norms and biases are widened either way."""
     path = Path(gguf_path).expanduser().resolve()
     if dtype not in DTYPES:
         raise GGUFError(f"dtype {dtype!r} is not supported for GGUF conversion; choose one of {sorted(DTYPES)}")
@@ -72,10 +76,10 @@ def gguf_to_hf_dir(gguf_path: str | Path, dtype: str = "bfloat16", cache_root: P
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     root.mkdir(parents=True, exist_ok=True)
     digest = _file_sha256(path, root)
-    entry = root / f"{digest[:16]}-{dtype}"
+    entry = root / f"{digest[:16]}-{dtype}{'-quantized' if keep_quantized else ''}"
     if _entry_is_complete(entry, digest):
         return entry
-    return _build_entry(path, digest, dtype, entry, progress)
+    return _build_entry(path, digest, dtype, entry, progress, keep_quantized)
 
 
 # ---- cache -------------------------------------------------------------------------------------
@@ -110,12 +114,13 @@ def _entry_is_complete(entry: Path, digest: str) -> bool:
         return False
 
 
-def _build_entry(path: Path, digest: str, dtype: str, entry: Path, progress: Progress | None) -> Path:
+def _build_entry(path: Path, digest: str, dtype: str, entry: Path, progress: Progress | None,
+                 keep_quantized: bool) -> Path:
     """Convert into a temp dir beside the entry, then rename it into place (replacing a damaged one)."""
     tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _convert(path, tmp, DTYPES[dtype], progress)
+        _convert(path, tmp, DTYPES[dtype], progress, keep_quantized)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         _write_json_atomic(tmp / MARKER, {"sha256": digest, "dtype": dtype, "source": str(path), "files": files})
         if entry.exists():
@@ -138,7 +143,7 @@ def _write_json_atomic(file: Path, data: dict) -> None:
 
 # ---- conversion --------------------------------------------------------------------------------
 
-def _convert(path: Path, out: Path, dtype: torch.dtype, progress: Progress | None) -> None:
+def _convert(path: Path, out: Path, dtype: torch.dtype, progress: Progress | None, keep_quantized: bool) -> None:
     try:
         reader = GGUFReader(path)
     except (ValueError, OSError) as e:
@@ -150,7 +155,8 @@ def _convert(path: Path, out: Path, dtype: torch.dtype, progress: Progress | Non
     names = _check_tensors(path, reader, arch)
     config = _hf_config(path, meta, arch, reader, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    _write_weights(reader, names, out, dtype, config, progress)
+    kept = {t.name for t in reader.tensors if keep_quantized and _keeps_quantized(t)}
+    _write_weights(reader, names, out, dtype, config, progress, kept)
     try:
         write_tokenizer_files(meta, out)
     except GGUFTokenizerError as e:
@@ -238,12 +244,19 @@ def _hf_config(path: Path, meta: dict, arch: str, reader: GGUFReader, dtype: tor
     return config
 
 
-def _shards(reader: GGUFReader, dtype: torch.dtype) -> list[list]:
-    """Tensors grouped in file order into shards of at most SHARD_BYTES in the output dtype."""
+def _keeps_quantized(t) -> bool:
+    """A linear layer's weight in a type that has a group form (the embedding table is read by row)."""
+    return (t.tensor_type in gguf_quant.KEPT_TYPES and len(t.shape) == 2 and t.name != "token_embd.weight"
+            and t.name.endswith(".weight"))
+
+
+def _shards(reader: GGUFReader, dtype: torch.dtype, kept: set[str]) -> list[list]:
+    """Tensors grouped in file order into shards of at most SHARD_BYTES as written (a kept tensor
+    is about one byte per value)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     shards, size = [[]], 0
     for t in reader.tensors:
-        nbytes = int(np.prod(t.shape)) * itemsize
+        nbytes = int(np.prod(t.shape)) * (1 if t.name in kept else itemsize)
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
@@ -253,18 +266,23 @@ def _shards(reader: GGUFReader, dtype: torch.dtype) -> list[list]:
 
 
 def _write_weights(reader: GGUFReader, names: dict[str, str], out: Path, dtype: torch.dtype,
-                   config: dict, progress: Progress | None) -> None:
-    shards = _shards(reader, dtype)
+                   config: dict, progress: Progress | None, kept: set[str]) -> None:
+    shards = _shards(reader, dtype, kept)
     total, done = len(reader.tensors), 0
     weight_map, total_size = {}, 0
     for number, shard in enumerate(shards, start=1):
         file = "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
         for t in shard:
-            tensor = _to_torch(t, config, dtype)
-            tensors[names[t.name]] = tensor
-            weight_map[names[t.name]] = file
-            total_size += tensor.numel() * tensor.element_size()
+            if t.name in kept:
+                written = dict(zip(group_tensor_names(names[t.name]), _to_groups(t, config)))
+            else:
+                written = {names[t.name]: _to_torch(t, config, dtype)}
+            for name, tensor in written.items():
+                if tensor is not None:
+                    tensors[name] = tensor
+                    weight_map[name] = file
+                    total_size += tensor.numel() * tensor.element_size()
             done += 1
             if progress is not None:
                 progress(done, total, t.name)
@@ -275,24 +293,42 @@ def _write_weights(reader: GGUFReader, names: dict[str, str], out: Path, dtype: 
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
 
 
-def _to_torch(t, config: dict, dtype: torch.dtype) -> torch.Tensor:
-    """The tensor in HF layout and `dtype`, dequantized a band of rows at a time so that only one
-    band's fp32 intermediates exist (an embedding of 150k rows would need several GB at once)."""
+def _bands(t):
+    """(HF shape, raw rows, rows per band): tensors are converted a band of rows at a time so that
+    only one band's fp32 intermediates exist (an embedding of 150k rows would need several GB at once)."""
     shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+    rows = int(np.prod(shape[:-1]))
+    return shape, t.data.reshape(rows, -1), max(1, DEQUANT_BAND_ELEMENTS // shape[-1])
+
+
+def _to_torch(t, config: dict, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor in HF layout and `dtype`."""
+    shape, data, band = _bands(t)
     out = torch.empty(shape, dtype=dtype)
     flat_out = out.reshape(-1, shape[-1])
-    data = t.data.reshape(flat_out.shape[0], -1)
-    band = max(1, DEQUANT_BAND_ELEMENTS // shape[-1])
     for start in range(0, data.shape[0], band):
         values = quants.dequantize(data[start:start + band], t.tensor_type)
         values = np.require(values, np.float32, ["W"])  # F32 comes back as a view of the mapped file
         flat_out[start:start + band] = torch.from_numpy(values).reshape(-1, shape[-1])
+    return _hf_rows(t, config, out)
+
+
+def _to_groups(t, config: dict) -> tuple:
+    """The weight in group form (q, scales, mins), rows in HF order."""
+    shape, data, band = _bands(t)
+    parts = [gguf_quant.groups(data[start:start + band], t.tensor_type, (min(band, shape[0] - start), shape[1]))
+             for start in range(0, shape[0], band)]
+    return tuple(None if part[0] is None else _hf_rows(t, config, torch.cat(part))
+                 for part in zip(*parts))
+
+
+def _hf_rows(t, config: dict, rows: torch.Tensor) -> torch.Tensor:
     if config["model_type"] == "llama":
         heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
         kind = t.name.split(".")[-2] if t.name.startswith("blk.") else None
         if kind in heads:
-            out = _unpermute_rows(out, heads[kind])
-    return out
+            return _unpermute_rows(rows, heads[kind])
+    return rows
 
 
 def _unpermute_rows(tensor: torch.Tensor, heads: int) -> torch.Tensor:

@@ -23,14 +23,17 @@ def resolve_model(
     pull_missing: bool = True,
     progress: Progress | None = None,
     cache_root: Path | None = None,
+    keep_quantized: bool = False,
 ) -> Path:
     """Return a Hugging Face layout checkpoint directory (config.json + safetensors) for `spec`.
 
     `progress(done_bytes, total_bytes)` reports a preset's download; GGUF conversion output lands in
-    `cache_root` (the user cache dir by default).
+    `cache_root` (the user cache dir by default); `keep_quantized` keeps a GGUF's quantized linear
+    weights in group form instead of widening them.
     """
     if spec in PRESETS:
-        return _gguf_to_hf(_preset_gguf(spec, pull_missing, progress, cache_root), dtype, cache_root)
+        return _gguf_to_hf(_preset_gguf(spec, pull_missing, progress, cache_root), dtype, cache_root,
+                           keep_quantized)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -42,7 +45,7 @@ def resolve_model(
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelNotFound(f"GGUF file {path} does not exist")
-        return _gguf_to_hf(path, dtype, cache_root)
+        return _gguf_to_hf(path, dtype, cache_root, keep_quantized)
     raise ModelNotFound(
         f"model {spec!r} is not a preset ({', '.join(PRESETS)}), a checkpoint directory or a .gguf file; "
         f"a directory or file path must exist"
@@ -58,9 +61,9 @@ def _preset_gguf(name: str, pull_missing: bool, progress: Progress | None, cache
     return path
 
 
-def _gguf_to_hf(gguf_path: Path, dtype: str, cache_root: Path | None) -> Path:
+def _gguf_to_hf(gguf_path: Path, dtype: str, cache_root: Path | None, keep_quantized: bool) -> Path:
     from engine.loading.gguf import gguf_to_hf_dir  # imports torch and gguf: only when a GGUF is used
 
     # presets and conversions share one root: conversions live in its gguf/ folder
-    return gguf_to_hf_dir(gguf_path, dtype=dtype,
+    return gguf_to_hf_dir(gguf_path, dtype=dtype, keep_quantized=keep_quantized,
                           cache_root=None if cache_root is None else cache_root / "gguf")

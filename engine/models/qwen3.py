@@ -2,19 +2,21 @@
 
 The three families differ only by flags in ModelConfig: q/k/v bias (Qwen2, optional for Llama),
 per-head q/k RMSNorm (Qwen3) and tied embeddings. Q/K/V and gate/up projections are fused at load
-so each layer runs three GEMMs plus the output projection.
+so each layer runs three GEMMs plus the output projection. Linear weights are dense or quantized
+(engine/models/linear.py); the embedding table stays dense, since a step reads only a few of its rows.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-import ops  # noqa: F401  registers torch.ops.pagedserve
+import ops
 from engine.loading.model_config import ModelConfig
 from engine.models.batch import ForwardBatch
+from engine.models.linear import LinearLoader, linear, weight_nbytes
 from ops.rotary import rope_cos_sin
 
-pagedserve = torch.ops.pagedserve
+pagedserve = ops.direct
 
 
 class _Layer:
@@ -22,7 +24,8 @@ class _Layer:
 
 
 class DenseDecoder:
-    def __init__(self, cfg: ModelConfig, ckpt, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, ckpt, dtype: torch.dtype, device: torch.device,
+                 linears: LinearLoader | None = None):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
@@ -30,13 +33,18 @@ class DenseDecoder:
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         self.scale = d ** -0.5
 
+        self.linears = linears = linears or LinearLoader(ckpt, dtype, device)
+
         def get(name, *shape):
             return ckpt.get(name, tuple(shape), dtype).to(device)
 
         self.embed = get("model.embed_tokens.weight", cfg.vocab_size, h)
         self.norm = get("model.norm.weight", h)
-        self.lm_head = (self.embed if cfg.tie_word_embeddings
-                        else get("lm_head.weight", cfg.vocab_size, h))
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        if cfg.tie_word_embeddings and linears.keeps_dense([head]):
+            self.lm_head = self.embed       # one copy serves both
+        else:
+            self.lm_head = linears.load([(head, cfg.vocab_size, h)])
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -44,21 +52,21 @@ class DenseDecoder:
             layer.ln1 = get(p + "input_layernorm.weight", h)
             layer.ln2 = get(p + "post_attention_layernorm.weight", h)
             attn = p + "self_attn."
-            layer.qkv_w = torch.cat([get(attn + "q_proj.weight", self.q_size, h),
-                                     get(attn + "k_proj.weight", self.kv_size, h),
-                                     get(attn + "v_proj.weight", self.kv_size, h)])
+            layer.qkv_w = linears.load([(attn + "q_proj.weight", self.q_size, h),
+                                        (attn + "k_proj.weight", self.kv_size, h),
+                                        (attn + "v_proj.weight", self.kv_size, h)])
             layer.qkv_b = (torch.cat([get(attn + "q_proj.bias", self.q_size),
                                       get(attn + "k_proj.bias", self.kv_size),
                                       get(attn + "v_proj.bias", self.kv_size)])
                            if cfg.qkv_bias else None)
             layer.q_norm = get(attn + "q_norm.weight", d) if cfg.qk_norm else None
             layer.k_norm = get(attn + "k_norm.weight", d) if cfg.qk_norm else None
-            layer.o_w = get(attn + "o_proj.weight", h, self.q_size)
+            layer.o_w = linears.load([(attn + "o_proj.weight", h, self.q_size)])
             mlp = p + "mlp."
             inter = cfg.intermediate_size
-            layer.gate_up_w = torch.cat([get(mlp + "gate_proj.weight", inter, h),
-                                         get(mlp + "up_proj.weight", inter, h)])
-            layer.down_w = get(mlp + "down_proj.weight", h, inter)
+            layer.gate_up_w = linears.load([(mlp + "gate_proj.weight", inter, h),
+                                            (mlp + "up_proj.weight", inter, h)])
+            layer.down_w = linears.load([(mlp + "down_proj.weight", h, inter)])
             self.layers.append(layer)
         self.cos_sin = rope_cos_sin(cfg.max_position_embeddings, cfg.rotary_dim,
                                     cfg.rope_theta).to(device)
@@ -68,12 +76,12 @@ class DenseDecoder:
         tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         for layer in self.layers:
             tensors += [t for t in (getattr(layer, s) for s in _Layer.__slots__) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(map(weight_nbytes, tensors))
 
     def _attention(self, layer: _Layer, x: torch.Tensor, batch: ForwardBatch, kv) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+        qkv = linear(x, layer.qkv_w, layer.qkv_b)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -86,7 +94,7 @@ class DenseDecoder:
         pagedserve.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         o = pagedserve.paged_attention(q, k_cache, v_cache, batch.query_start_loc,
                                        batch.context_lens, batch.block_tables, self.scale)
-        return F.linear(o.reshape(t, self.q_size), layer.o_w)
+        return linear(o.reshape(t, self.q_size), layer.o_w)
 
     def forward(self, batch: ForwardBatch, kv_layers) -> torch.Tensor:
         """Hidden states of the sampling rows' last tokens, `[S, hidden]`."""
@@ -99,11 +107,11 @@ class DenseDecoder:
                 h, residual = pagedserve.add_rms_norm(x, residual, layer.ln1, eps)
             x = self._attention(layer, h, batch, kv_layers[i])
             h, residual = pagedserve.add_rms_norm(x, residual, layer.ln2, eps)
-            x = F.linear(pagedserve.silu_and_mul(F.linear(h, layer.gate_up_w)), layer.down_w)
+            x = linear(pagedserve.silu_and_mul(linear(h, layer.gate_up_w)), layer.down_w)
         # only the sampling rows need the final norm and the vocabulary projection
         x, residual = x[batch.logits_indices], residual[batch.logits_indices]
         h, _ = pagedserve.add_rms_norm(x, residual, self.norm, eps)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

@@ -1,0 +1,110 @@
+"""GGUF quantized blocks -> pagedserve's group form: integer values `q`, a scale and a min per 32 values.
+
+The group form means w = scale * q + min (ops/quant_linear.py). Every block format whose sub-blocks
+hold 32 values maps onto it with the format's own numbers, so the weights dequantize to exactly what
+the `gguf` package's dequantizer gives (scale = d * sc is exact in fp32: an fp16 times a 6-bit int):
+
+    Q4_0  d * (q - 8)              -> int4, scale d, min -8d
+    Q4_1  d * q + m                -> int4, scale d, min m
+    Q4_K  d*sc_j * q - dmin*m_j    -> int4 per 32-value sub-block j
+    Q5_0  d * (q - 16)             -> int8 values q - 16, scale d
+    Q5_1, Q5_K                     -> int8 values 0..31 with the format's scale and min
+    Q8_0  d * q                    -> int8, scale d
+
+Q6_K has a scale per 16 values, which no 32-value group can hold exactly: it is requantized to int8 per
+32 values from its dequantized weights (one rounding, at most half an int8 step, a quarter of Q6_K's own).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from ops.quant_linear import GROUP, quantize_int8
+
+QK_K = 256
+INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
+INT8_TYPES = (T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0, T.Q6_K)
+KEPT_TYPES = INT4_TYPES + INT8_TYPES
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes [n, c, h] -> values [n, c, 2h]: low nibbles first, then high ones (ggml's order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Q5_0/Q5_1's 32 fifth bits, one per value, little-endian in 4 bytes -> [n, 32] of 0/16."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")[:, :count]
+    return bits.astype(np.uint8) << 4
+
+
+def _q4_0(b):
+    d = _f16(b[:, :2])
+    return _nibbles(b[:, None, 2:]).reshape(len(b), 32), d, -8 * d
+
+
+def _q4_1(b):
+    return _nibbles(b[:, None, 4:]).reshape(len(b), 32), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _k_scales(b):
+    """Q4_K/Q5_K super-block header -> per-sub-block scales d*sc and mins -dmin*m, [n, 8]."""
+    sc, m = quants.Q4_K.get_scale_min(b[:, 4:16])
+    return _f16(b[:, :2]) * sc.astype(np.float32), -(_f16(b[:, 2:4]) * m.astype(np.float32))
+
+
+def _q4_k(b):
+    scales, mins = _k_scales(b)
+    q = _nibbles(b[:, 16:144].reshape(len(b), 4, 32))           # [n, 4 chunks, 64]
+    return q.reshape(len(b), QK_K), scales, mins
+
+
+def _q5_0(b):
+    low = _nibbles(b[:, None, 6:]).reshape(len(b), 32)
+    q = (low | _high_bits(b[:, 2:6], 32)).astype(np.int8) - np.int8(16)
+    return q, _f16(b[:, :2]), None
+
+
+def _q5_1(b):
+    low = _nibbles(b[:, None, 8:]).reshape(len(b), 32)
+    return (low | _high_bits(b[:, 4:8], 32)).astype(np.int8), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q5_k(b):
+    scales, mins = _k_scales(b)
+    low = _nibbles(b[:, 48:176].reshape(len(b), 4, 32)).reshape(len(b), 8, 32)
+    high = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1    # bit j of qh -> sub-block j
+    return (low | (high << 4)).astype(np.int8).reshape(len(b), QK_K), scales, mins
+
+
+def _q8_0(b):
+    return b[:, 2:].view(np.int8), _f16(b[:, :2]), None
+
+
+_UNPACK = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q5_K: _q5_k,
+           T.Q8_0: _q8_0}
+
+
+def groups(data: np.ndarray, kind: T, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A GGUF tensor's raw bytes (`[rows, bytes per row]`, any of KEPT_TYPES) in group form for
+    `QuantizedWeight.from_groups`: q [N, K], scales and mins [N, K/32] (mins None when all zero)."""
+    rows, cols = shape
+    if kind == T.Q6_K:
+        dense = torch.from_numpy(np.require(quants.dequantize(data, kind), np.float32)).reshape(shape)
+        return quantize_int8(dense).to_groups()
+    type_size = quants.GGML_QUANT_SIZES[kind][1]
+    q, scales, mins = _UNPACK[kind](np.ascontiguousarray(data).reshape(-1, type_size))
+
+    def per_group(a: np.ndarray | None) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, cols // GROUP)
+    return torch.from_numpy(np.ascontiguousarray(q)).reshape(rows, cols), per_group(scales), per_group(mins)
+
+
+def bits_of(kind: T) -> int:
+    return 4 if kind in INT4_TYPES else 8

@@ -1,0 +1,80 @@
+"""Linear layers' weights in the run's format, and the one call that multiplies by either kind.
+
+A weight is a dense tensor in the engine dtype or a `QuantizedWeight` (ops/quant_linear.py). The
+`quantization` setting decides, per weight, from what the checkpoint stores:
+  none  every weight dense (quantized ones are dequantized once at load);
+  auto  as stored: a GGUF's quantized weights stay quantized, dense ones stay dense;
+  int8  / int4  every weight in that format: stored int4 values widen to int8 losslessly, anything
+        else is quantized from its dequantized values (groups of `group_size`).
+Fused layers (q/k/v, gate/up) concatenate their parts; parts stored in different formats meet in the
+wider one (int4 widens to int8 without loss; a dense part is quantized to int8).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from ops.quant_linear import QuantizedWeight, quant_linear, quantize_int4, quantize_int8
+
+MODES = ("auto", "none", "int8", "int4")
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, QuantizedWeight):
+        return quant_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def weight_nbytes(weight) -> int:
+    if isinstance(weight, QuantizedWeight):
+        return weight.nbytes
+    return weight.numel() * weight.element_size()
+
+
+def _to_bits(weight, bits: int, group_size: int) -> QuantizedWeight:
+    if isinstance(weight, QuantizedWeight):
+        if weight.bits == bits:
+            return weight
+        if weight.bits == 4:     # values 0..15 fit int8 as they are: same scales and mins
+            q, scales, mins = weight.to_groups()
+            return QuantizedWeight.from_groups(q.to(torch.int8), scales, mins, 8)
+        weight = weight.dequantize()
+    quantize = quantize_int8 if bits == 8 else quantize_int4
+    return quantize(weight.float(), group_size)
+
+
+class LinearLoader:
+    """Reads linear weights from a checkpoint in the format `mode` asks for; counts what it made."""
+
+    def __init__(self, ckpt, dtype: torch.dtype, device: torch.device, mode: str = "auto", group_size: int = 32):
+        if mode not in MODES:
+            raise ValueError(f"quantization {mode!r}: allowed are {', '.join(MODES)}")
+        self.ckpt, self.dtype, self.device = ckpt, dtype, device
+        self.mode, self.group_size = mode, group_size
+        self.formats: Counter[str] = Counter()      # "int4 g32 asym" / "bfloat16" -> weights loaded
+
+    def keeps_dense(self, names: list[str]) -> bool:
+        return self.mode == "none" or (self.mode == "auto" and not any(map(self.ckpt.is_quantized, names)))
+
+    def load(self, parts: list[tuple[str, int, int]]):
+        """The weight of the layer made of `parts` (name, out_features, in_features), fused along
+        the outputs in the given order."""
+        weights = [self.ckpt.get_linear(name, (n, k), self.dtype) for name, n, k in parts]
+        if self.keeps_dense([name for name, _, _ in parts]):
+            dense = [w.dequantize().to(self.dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
+            self.formats[str(self.dtype).removeprefix("torch.")] += 1
+            return (dense[0] if len(dense) == 1 else torch.cat(dense)).to(self.device)
+        if self.mode == "auto":
+            all_int4 = all(isinstance(w, QuantizedWeight) and w.bits == 4 for w in weights)
+            bits = 4 if all_int4 else 8
+        else:
+            bits = 8 if self.mode == "int8" else 4
+        fused = QuantizedWeight.cat([_to_bits(w, bits, self.group_size) for w in weights])
+        self.formats[fused.describe()] += 1
+        return fused
+
+    def describe(self) -> str:
+        """What was loaded, for /props and the startup line: "int4 g32 asym x141, int8 g32 x57"."""
+        return ", ".join(f"{name} x{count}" for name, count in self.formats.most_common())
