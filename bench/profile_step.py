@@ -1,7 +1,8 @@
 """Where one engine step spends its time: decode steps at several batch sizes and one prefill chunk,
 with the torch op bodies and with the C++ CPU kernels (ops.cpu), in the same run.
 
-    python bench/profile_step.py [--model 0.6b|mini] [--batch 1 8 32] [--prefill 512] [--backend both]
+    python bench/profile_step.py [--model 0.6b|mini|SPEC] [--quantization auto|none|int8|int4]
+                                 [--batch 1 8 32] [--prefill 512] [--backend both]
 
 Each case is stepped through the real scheduler + runner (`EngineLoop.run_once`): first unprofiled
 (median wall time per step), then under torch.profiler for the breakdown. Profiled op times are
@@ -25,13 +26,14 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import engine.runner  # noqa: E402
 import ops.cpu  # noqa: E402
+from decode_steps import generated, prime_decoders  # noqa: E402
 from engine import LLM  # noqa: E402
 from loadgen import greedy, random_prompts  # noqa: E402
 from models import SPECS, bench_model_dir  # noqa: E402
 
 # The outermost profiler event with one of these names owns its whole subtree.
 CATEGORIES = {
-    "GEMM": {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm"},
+    "GEMM": {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm", "pagedserve::quant_linear"},
     "attention": {"pagedserve::paged_attention"},
     "write_kv": {"pagedserve::write_kv"},
     "norm/rotary/act": {"pagedserve::rms_norm", "pagedserve::add_rms_norm", "pagedserve::rotary",
@@ -80,10 +82,6 @@ def _breakdown(prof, steps: int, wall_s: float) -> dict[str, float]:
     return out
 
 
-def _generated(loop) -> dict[str, int]:
-    return {r.id: r.generated_tokens for r in loop.scheduler.stats().requests}
-
-
 def _timed_steps(loop, steps: int) -> tuple[list[float], object, float]:
     """(unprofiled step times, profiler, profiled wall seconds) for `steps` + `steps` run_once calls."""
     times = []
@@ -101,17 +99,11 @@ def _timed_steps(loop, steps: int) -> tuple[list[float], object, float]:
 
 
 def profile_decode(loop, batch: int, context: int, steps: int) -> tuple[float, dict[str, float]]:
-    for prompt in random_prompts(batch, context, seed=batch):
-        loop.submit(prompt, greedy(10_000), bounded=False)
-    while True:                      # prefill everything: from here on each step is pure decode
-        loop.run_once()
-        counts = _generated(loop)
-        if len(counts) == batch and min(counts.values()) >= 1:
-            break
+    prime_decoders(loop, batch, context, max_tokens=10_000)
     loop.run_once()                  # warm-up decode step
-    before = _generated(loop)
+    before = generated(loop)
     times, prof, wall = _timed_steps(loop, steps)
-    after = _generated(loop)
+    after = generated(loop)
     loop.stop()
     loop.run_until_idle()
     if after != {rid: n + 2 * steps for rid, n in before.items()}:
@@ -165,7 +157,9 @@ def _speedups(rows) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(SPECS), default="0.6b")
+    parser.add_argument("--model", default="0.6b",
+                        help=f"a bench model ({', '.join(sorted(SPECS))}) or any model spec: preset, checkpoint dir, .gguf")
+    parser.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto")
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--prefill", type=int, nargs="*", default=[512])
     parser.add_argument("--context", type=int, default=128, help="prompt length before decoding")
@@ -182,10 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     max_rows = max(args.batch or [1])
     max_len = max([args.context + 4 * args.steps + 8, *args.prefill]) + 16
     _wrap_sampling()
-    llm = LLM(model=str(bench_model_dir(args.model)), dtype=args.dtype, max_concurrency=max_rows,
+    model = str(bench_model_dir(args.model)) if args.model in SPECS else args.model
+    llm = LLM(model=model, dtype=args.dtype, quantization=args.quantization, max_concurrency=max_rows,
               max_model_len=max_len, kv_pool_tokens=max_rows * max_len, threads=args.threads)
     loop = llm.engine.loop
-    print(f"model {args.model}, {llm.engine.dtype}, {torch.get_num_threads()} threads, context {args.context}, "
+    print(f"model {args.model}, {llm.engine.dtype}, weights {llm.engine.weights}, {torch.get_num_threads()} threads, context {args.context}, "
           f"{args.steps} steps per case", flush=True)
     rows = []
     for batch in args.batch:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 
 import pytest
 
+from decode_steps import Timed, time_decode
 from engine import LLM
 from hf_baseline import hf_generate_s
-from loadgen import greedy, random_prompts
+from loadgen import random_prompts
 
 BATCHES = (1, 8)
 CONTEXT = 128
@@ -18,25 +18,6 @@ OUR_STEPS = 10          # timed decode steps (after 2 warm-up steps)
 HF_STEPS = 16           # decode steps inside one transformers generate
 HF_ROUNDS = 2
 MAX_MODEL_LEN = 512
-
-
-class _Timed:
-    """Calls `fn` and keeps each call's wall time: our own median, whatever pytest-benchmark's
-    flags (--benchmark-disable runs once and keeps no stats)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.times: list[float] = []
-
-    def __call__(self, *args):
-        t0 = time.perf_counter()
-        out = self.fn(*args)
-        self.times.append(time.perf_counter() - t0)
-        return out
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
 
 
 @pytest.fixture(scope="module")
@@ -49,37 +30,11 @@ def llm(bench_checkpoint, bench_dtype):
     gc.collect()
 
 
-def _generated(loop) -> dict[str, int]:
-    return {r.id: r.generated_tokens for r in loop.scheduler.stats().requests}
-
-
-def _prime_decoders(loop, batch: int) -> None:
-    """Submit `batch` prompts and step until every one is prefilled (has its first token): from
-    then on each step is exactly one decode row per request."""
-    for prompt in random_prompts(batch, CONTEXT, seed=batch):
-        loop.submit(prompt, greedy(MAX_MODEL_LEN), bounded=False)
-    while True:
-        loop.run_once()
-        counts = _generated(loop)
-        if len(counts) == batch and min(counts.values()) >= 1:
-            return
-
-
 @pytest.mark.parametrize("batch", BATCHES)
 def test_decode_pagedserve(benchmark, llm, machine, bench_report, batch):
-    loop = llm.engine.loop
-    _prime_decoders(loop, batch)
-    before = _generated(loop)
-    step = _Timed(loop.run_once)
     benchmark.group = f"decode b={batch}"
-    benchmark.pedantic(step, rounds=OUR_STEPS, warmup_rounds=2, iterations=1)
-    after = _generated(loop)
-    loop.stop()                 # no thread: cancels inline, the loop stays usable
-    loop.run_until_idle()
+    step = time_decode(benchmark, llm.engine.loop, batch, CONTEXT, MAX_MODEL_LEN, OUR_STEPS)
     steps = OUR_STEPS + 2
-    assert after == {rid: n + steps for rid, n in before.items()}, "a timed step was not a pure decode"
-    assert loop.scheduler.stats().blocks_used == 0
-
     tok_s = batch / step.median
     model, pool = llm.engine.model, llm.engine.pool
     kv_bytes = batch * (CONTEXT + steps) * pool.shape.bytes_per_block // pool.shape.block_size
@@ -99,7 +54,7 @@ def test_decode_transformers(benchmark, hf_model, bench_report, batch):
     and the first token cancel out."""
     prompts = random_prompts(batch, CONTEXT, seed=batch)
     prefill_s = statistics.median(hf_generate_s(hf_model, prompts, 1) for _ in range(HF_ROUNDS))
-    full = _Timed(hf_generate_s)
+    full = Timed(hf_generate_s)
     benchmark.group = f"decode b={batch}"
     benchmark.pedantic(full, args=(hf_model, prompts, HF_STEPS + 1), rounds=HF_ROUNDS, iterations=1)
     step_s = (full.median - prefill_s) / HF_STEPS
