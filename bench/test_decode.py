@@ -34,7 +34,7 @@ def llm(bench_checkpoint, bench_dtype):
 def test_decode_pagedserve(benchmark, llm, machine, bench_report, batch):
     benchmark.group = f"decode b={batch}"
     step = time_decode(benchmark, llm.engine.loop, batch, CONTEXT, MAX_MODEL_LEN, OUR_STEPS)
-    steps = OUR_STEPS + 2
+    steps = OUR_STEPS + 2       # the K/V read grows by one token a step
     tok_s = batch / step.median
     model, pool = llm.engine.model, llm.engine.pool
     kv_bytes = batch * (CONTEXT + steps) * pool.shape.bytes_per_block // pool.shape.block_size
