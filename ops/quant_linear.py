@@ -203,6 +203,7 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def _check(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits: int, out_features: int) -> None:
     op = "quant_linear"
+    bits = int(bits)    # dynamo may trace a weight's int attributes as SymInts; a dict key must be an int
     require(bits in _Q_DTYPE, op, f"bits={bits}: allowed are 4 and 8")
     require(x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16), op,
             f"x must be 2-D [M, K] float32 or bfloat16, got {x.dtype} {tuple(x.shape)}")

@@ -178,13 +178,17 @@ def test_opcheck(bits, with_mins, dtype):
                               (torch.randn(m, 64).to(dtype), w.qweight, w.scales, w.mins, bits, 13))
 
 
-def test_compiled_equals_eager(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dynamic", (False, True))
+def test_compiled_equals_eager(tmp_path, monkeypatch, dynamic):
+    """dynamic=True is how the engine compiles its step: dynamo then traces the weights' int
+    attributes (bits, out_features) as symbolic ints, which the op's checks must accept."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     w4, w8 = quantize_int4(torch.randn(40, 64)), quantize_int8(torch.randn(13, 32))
 
     def mlp(x):
         return quant_linear(torch.relu(quant_linear(x * 2, w4)[..., :32]), w8) + 1
 
-    x = torch.randn(3, 64)
-    compiled = torch.compile(mlp, backend="inductor", dynamic=False, fullgraph=True)
-    torch.testing.assert_close(compiled(x), mlp(x), rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(mlp, backend="inductor", dynamic=dynamic, fullgraph=True)
+    for rows in (3, 5):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(compiled(x), mlp(x), rtol=1e-5, atol=1e-5)
