@@ -5,13 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -22,68 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from tokenizers import Tokenizer
 
+from server_process import ServerProcess
 from tiny_models import hf_model
 
 API_KEY = "sk-test"
 MAX_MODEL_LEN = 256
 MAX_BODY_BYTES = 65536
 TINY = dict(tied=False, heads=8, kv_heads=2, head_dim=32, max_pos=2048)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`pagedserve serve` on a free loopback port; `health` records every /health status seen."""
-
-    def __init__(self, model: Path, *flags: str, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(Path(model).parent / f"server-{self.port}.log", "w+b")
-        exe = Path(sys.executable).with_name("pagedserve")
-        self.proc = subprocess.Popen(
-            [str(exe), "serve", "--model", str(model), "--dtype", "float32", "--port", str(self.port),
-             "--max-model-len", str(MAX_MODEL_LEN), "--kv-pool-tokens", "4096", *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        self.health: list[int] = []
-        self.api_key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else ""
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                self.health.append(httpx.get(self.url + "/health", timeout=5).status_code)
-            except httpx.TransportError:
-                pass                        # not listening yet
-            if self.health and self.health[-1] == 200:
-                return self._warm_up(deadline - time.monotonic())
-            time.sleep(0.05)
-        raise TimeoutError(f"server not ready after {timeout} s:\n{self.output()}")
-
-    def _warm_up(self, timeout: float) -> None:
-        # the first step of a fresh engine is slow (one-time kernel setup); no test should time that
-        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        httpx.post(self.url + "/v1/completions", json={"prompt": "warm", "max_tokens": 2},
-                   headers=auth, timeout=timeout)
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.log.close()
 
 
 def metric(text: str, name: str) -> float:
@@ -103,7 +41,7 @@ def model_dir(tiny_checkpoint):
 def server(model_dir):
     # the body limit comes from the environment: precedence flag > env > file works through click
     srv = ServerProcess(model_dir, "--api-key", API_KEY, "--max-concurrency", "4",
-                        env={"PAGEDSERVE_MAX_BODY_BYTES": str(MAX_BODY_BYTES)})
+                        max_model_len=MAX_MODEL_LEN, env={"PAGEDSERVE_MAX_BODY_BYTES": str(MAX_BODY_BYTES)})
     try:
         srv.wait_ready()
         yield srv

@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from engine.server.sse import EventStream
-from test_server import TINY, ServerProcess, metric
+from server_process import ServerProcess
+from test_server import TINY, metric
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
