@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,36 @@ class TestInProcess:
         benchmark.extra_info.update(tok_s=result.tok_s, ttft_p50_ms=(result.ttft_p50_s or 0) * 1e3,
                                     steady_tok_s=result.steady_tok_s)
         report(bench_report, "in-process", result, concurrency, http_results.get(concurrency))
+
+
+@pytest.fixture(scope="class")
+def batch_llm(bench_checkpoint, bench_dtype, bench_new_tokens):
+    """LLM.generate runs the loop in the calling thread: no loop thread, no stream readers."""
+    llm = LLM(**engine_settings(bench_checkpoint, bench_dtype, bench_new_tokens))
+    llm.generate([list(p) for p in WARM_UP.prompts], WARM_UP.params())
+    yield llm
+    llm.close()
+    del llm
+    gc.collect()
+
+
+class TestLLMGenerate:
+    @pytest.mark.parametrize("concurrency", CONCURRENCY)
+    def test_llm_generate(self, benchmark, batch_llm, http_results, bench_report, bench_new_tokens,
+                          concurrency):
+        """The issue's baseline: the same prompts and params through the offline API, all at once."""
+        load = workload(concurrency, bench_new_tokens)
+        benchmark.group = f"server c={concurrency}"
+        t0 = time.perf_counter()
+        outs = benchmark.pedantic(batch_llm.generate, args=([list(p) for p in load.prompts], load.params()),
+                                  rounds=1, iterations=1)
+        tok_s = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+        assert [len(o.token_ids) for o in outs] == [bench_new_tokens] * concurrency
+        http = http_results.get(concurrency)
+        note = "same prompts and params, one LLM.generate call"
+        if http is not None:
+            note = f"server overhead {1 - http.tok_s / tok_s:+.1%} of tok/s against LLM.generate"
+        bench_report.add(f"server c={concurrency} tok/s", "LLM.generate", tok_s, "tok/s", note=note)
 
 
 def test_steady_decode_counts_only_tokens_after_every_stream_started():
