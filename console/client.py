@@ -103,7 +103,7 @@ class InProcessClient:
         self._engine.submit(prompt="hi", params=SamplingParams(max_tokens=1), client="warm-up").result()
         info = self._engine.info()
         return (f"{info.model} · {info.architecture} · {info.dtype} on {info.device} · "
-                f"{info.kv_pool_tokens:,} K/V tokens")
+                f"weights {info.weights} · {info.kv_pool_tokens:,} K/V tokens")
 
     def stream(self, messages: list[dict], *, temperature: float, max_tokens: int,
                client: str) -> ReplyStream:

@@ -76,5 +76,5 @@ class LinearLoader:
         return fused
 
     def describe(self) -> str:
-        """What was loaded, for /props and the startup line: "int4 g32 asym x141, int8 g32 x57"."""
+        """What was loaded, for /props and the console: "int4 g32 asym x84, int8 g32 sym x15"."""
         return ", ".join(f"{name} x{count}" for name, count in self.formats.most_common())
