@@ -1,10 +1,11 @@
 """GGUF files -> a cached Hugging Face checkpoint dir that the normal loader reads.
 
 `gguf_to_hf_dir` dequantizes every tensor once (one at a time, so a 1 GB Q4_K_M file never has all
-its fp32 copies in memory), renames it to the HF name, undoes llama.cpp's Q/K row permutation for
+its fp32 copies in memory), or with `keep_quantized` stores quantized linear weights in group form
+(gguf_quant.py) instead; renames each to the HF name, undoes llama.cpp's Q/K row permutation for
 llama, and writes config.json, safetensors shards, tokenizer files and generation_config.json into
-`<cache>/<sha256[:16]>-<dtype>`. A later call finds that entry by the file's hash (remembered per
-path, size and mtime, so a warm start does not re-hash) and returns at once.
+`<cache>/<sha256[:16]>-<dtype>[-quantized]`. A later call finds that entry by the file's hash
+(remembered per path, size and mtime, so a warm start does not re-hash) and returns at once.
 """
 from __future__ import annotations
 
