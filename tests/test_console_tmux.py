@@ -80,8 +80,8 @@ def test_chat_streams_a_reply_and_esc_stops_it(tiny_checkpoint, tmp_path):
         deadline = time.monotonic() + 30   # saving sessions and stopping the engine, on a busy machine
         while tmux("display-message", "-p", "-t", "chat", "#{pane_dead} #{pane_dead_status}").split() != ["1", "0"]:
             assert time.monotonic() < deadline, (
-                "ctrl+q did not quit cleanly (pane dead, exit status: "
-                f"{tmux('display-message', '-p', '-t', 'chat', '#{pane_dead} #{pane_dead_status}')}):\n"
+                "ctrl+q did not quit cleanly (pane dead, exit status, signal: "
+                f"{tmux('display-message', '-p', '-t', 'chat', '#{pane_dead} #{pane_dead_status} #{pane_dead_signal}')}):\n"
                 f"{tmux.screen()}")
             time.sleep(0.2)
         saved = list((tmp_path / "data" / "pagedserve" / "sessions").glob("*.json"))
