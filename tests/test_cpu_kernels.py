@@ -10,6 +10,7 @@ import ops
 import ops.cpu
 from ops import _registry
 from ops.paged_attention import reference_paged_attention
+from ops.rms_norm import reference_add_rms_norm, reference_rms_norm
 from ops.rotary import reference_rotary, rope_cos_sin, torch_rotary
 from ops.write_kv import reference_write_kv
 
@@ -151,3 +152,18 @@ def test_switch_off_skips_the_build(monkeypatch, caplog):
         assert ops.cpu.install() is False
     assert not caplog.records
     assert _registry.impl("paged_attention", CPU) is ops.cpu.TORCH_BODIES["paged_attention"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_kernels_match_reference_on_many_and_strided_rows(dtype):
+    """40 rows (several threads' chunks) taken as a strided view, as the q/k norms get them from the
+    fused q/k/v projection."""
+    g = torch.Generator().manual_seed(11)
+    fused = torch.randn(40, 3 * 128, generator=g).to(dtype)
+    x = fused[:, :256].reshape(40, 2, 128)              # not contiguous
+    residual, w = torch.randn(40, 2, 128, generator=g).to(dtype), torch.randn(128, generator=g).to(dtype)
+    torch.testing.assert_close(pagedserve.rms_norm(x, w, 1e-6), reference_rms_norm(x, w, 1e-6), **TOL[dtype])
+    normed, summed = pagedserve.add_rms_norm(x, residual, w, 1e-6)
+    want_normed, want_summed = reference_add_rms_norm(x, residual, w, 1e-6)
+    assert torch.equal(summed, want_summed)
+    torch.testing.assert_close(normed, want_normed, **TOL[dtype])

@@ -5,9 +5,9 @@
 logged and the torch bodies stay registered. PAGEDSERVE_CPU_KERNELS=0 skips the build on purpose.
 
 Ops with a kernel: paged_attention (decode rows; prefill rows keep torch's SDPA), write_kv, rotary,
-quant_linear.
-rms_norm and silu_and_mul stay in torch: their outputs must equal transformers' bit for bit, and that
-depends on torch's own reduction order and exp implementation.
+quant_linear, rms_norm and add_rms_norm (these round where transformers does; only the order of the
+sum of squares differs, so outputs may differ from the torch body by an ulp or two). silu_and_mul stays
+in torch: its exp is torch's own.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from ops._registry import register, require
 from ops.cpu import build
 from ops.paged_attention import _check_lengths, _prefill_row, torch_paged_attention
 from ops.quant_linear import reference_quant_linear
+from ops.rms_norm import torch_add_rms_norm, torch_rms_norm
 from ops.rotary import torch_rotary
 from ops.write_kv import torch_write_kv
 
@@ -65,15 +66,33 @@ def cpp_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary_
     return q_out, k_out
 
 
+def _norm_fits(x: Tensor, weight: Tensor) -> bool:
+    return x.dtype in KERNEL_DTYPES and weight.dtype == x.dtype
+
+
+def cpp_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if not _norm_fits(x, weight):
+        return torch_rms_norm(x, weight, eps)
+    return _lib.rms_norm(x.contiguous(), weight.contiguous(), eps)
+
+
+def cpp_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    if not _norm_fits(x, weight):
+        return torch_add_rms_norm(x, residual, weight, eps)
+    return _lib.add_rms_norm(x.contiguous(), residual.contiguous(), weight.contiguous(), eps)
+
+
 def cpp_quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits: int,
                      out_features: int) -> Tensor:
     return _lib.quant_linear(x.contiguous(), qweight, scales, mins, bits, out_features)
 
 
 CPP_BODIES: dict[str, Callable] = {"paged_attention": cpp_paged_attention, "write_kv": cpp_write_kv,
-                                   "rotary": cpp_rotary, "quant_linear": cpp_quant_linear}
+                                   "rotary": cpp_rotary, "quant_linear": cpp_quant_linear,
+                                   "rms_norm": cpp_rms_norm, "add_rms_norm": cpp_add_rms_norm}
 TORCH_BODIES: dict[str, Callable] = {"paged_attention": torch_paged_attention, "write_kv": torch_write_kv,
-                                     "rotary": torch_rotary, "quant_linear": reference_quant_linear}
+                                     "rotary": torch_rotary, "quant_linear": reference_quant_linear,
+                                     "rms_norm": torch_rms_norm, "add_rms_norm": torch_add_rms_norm}
 
 
 def kernels_available() -> bool:
