@@ -15,7 +15,7 @@ from engine.loading.model_config import parse_model_config
 from engine.models.batch import ForwardBatch
 from engine.models.qwen3_5 import HybridDecoder
 from engine.runner import PrefillBudget
-from tiny_models import hf_hybrid_model, make_hybrid_checkpoint
+from tiny_models import hf_hybrid_model, make_hybrid_checkpoint, whole_prompt_batch
 
 ARCHS = {
     "qwen3_5": dict(arch="qwen3_5"),
@@ -64,12 +64,7 @@ def test_prefill_logits_match_transformers(variant):
                   torch.device("cpu"))
     states = StatePool(model.state_shape, 3, torch.device("cpu")).layers if model.state_shape else ()
     ids = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(1))  # > one 64-chunk
-    t = ids.numel()
-    batch = ForwardBatch(
-        input_ids=ids, positions=torch.arange(t), slot_mapping=torch.arange(t) + 16,
-        block_tables=torch.tensor([[1, 2, 3, 4, 5]], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, t], dtype=torch.int32),
-        context_lens=torch.tensor([t], dtype=torch.int32), logits_indices=torch.arange(t))
+    batch = whole_prompt_batch(ids)
     with torch.inference_mode():
         ours = model.logits(model.forward(batch, pool.layers, states, torch.tensor([2], dtype=torch.int32)))
         theirs = hf_hybrid_model(variant)(ids[None]).logits[0]

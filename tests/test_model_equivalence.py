@@ -9,10 +9,9 @@ from engine import LLM, SamplingParams
 from engine.kv.pool import KVPool, KVShape
 from engine.loading.checkpoint import open_checkpoint
 from engine.loading.model_config import parse_model_config
-from engine.models.batch import ForwardBatch
 from engine.models.qwen3 import DenseDecoder
 from engine.runner import PrefillBudget
-from tiny_models import hf_model
+from tiny_models import hf_model, whole_prompt_batch
 
 VARIANTS = {
     "qwen3-tied-gqa2-hd32": dict(arch="qwen3", tied=True, heads=4, kv_heads=2, head_dim=32),
@@ -54,12 +53,7 @@ def test_prefill_logits_match_transformers(variant):
     pool = KVPool(KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, torch.float32), 8,
                   torch.device("cpu"))
     ids = torch.randint(0, cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(1))
-    t = ids.numel()
-    batch = ForwardBatch(
-        input_ids=ids, positions=torch.arange(t), slot_mapping=torch.arange(t) + 16,
-        block_tables=torch.tensor([[1, 2, 3]], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, t], dtype=torch.int32),
-        context_lens=torch.tensor([t], dtype=torch.int32), logits_indices=torch.arange(t))
+    batch = whole_prompt_batch(ids)
     with torch.inference_mode():
         ours = model.logits(model.forward(batch, pool.layers))
         theirs = hf_model(variant)(ids[None]).logits[0]

@@ -19,13 +19,12 @@ from engine.loading import gguf_quant
 from engine.kv.pool import KVPool, KVShape
 from engine.loading.checkpoint import group_tensor_names, open_checkpoint
 from engine.loading.model_config import parse_model_config
-from engine.models.batch import ForwardBatch
 from engine.models.linear import LinearLoader
 from engine.models.qwen3 import DenseDecoder
 import engine.loading.gguf as gguf_module
 from engine.loading.gguf import gguf_to_hf_dir
 from gguf_writer import write_gguf
-from tiny_models import make_hybrid_checkpoint
+from tiny_models import make_hybrid_checkpoint, whole_prompt_batch
 from ops.quant_linear import GROUP, QuantizedWeight, quantize_int4, quantize_int8
 from test_gguf import SHARED_FILES
 
@@ -113,11 +112,7 @@ def _teacher_forced_logits(model: str, mode: str, group: int = 32) -> torch.Tens
     decoder = DenseDecoder(cfg, ckpt, torch.float32, cpu, LinearLoader(ckpt, torch.float32, cpu, mode, group))
     pool = KVPool(KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, torch.float32), 4, cpu)
     ids = torch.randint(0, min(400, cfg.vocab_size), (48,), generator=torch.Generator().manual_seed(3))
-    t = ids.numel()
-    batch = ForwardBatch(input_ids=ids, positions=torch.arange(t), slot_mapping=torch.arange(t),
-                         block_tables=torch.tensor([[0, 1, 2]], dtype=torch.int32),
-                         query_start_loc=torch.tensor([0, t], dtype=torch.int32),
-                         context_lens=torch.tensor([t], dtype=torch.int32), logits_indices=torch.arange(t))
+    batch = whole_prompt_batch(ids, first_block=0)
     with torch.inference_mode():
         return decoder.logits(decoder.forward(batch, pool.layers))
 

@@ -298,3 +298,17 @@ def hf_hybrid_model(path: str | Path):
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
                                                  attn_implementation="eager")
     return model.eval()
+
+
+def whole_prompt_batch(ids, first_block: int = 1, block_size: int = 16):
+    """One sequence prefilled in one step into consecutive K/V blocks from `first_block`, with logits
+    at every position: how the tests compare a model's logits with transformers' full forward."""
+    from engine.models.batch import ForwardBatch
+
+    t = ids.numel()
+    blocks = -(-t // block_size)
+    return ForwardBatch(
+        input_ids=ids, positions=torch.arange(t), slot_mapping=torch.arange(t) + first_block * block_size,
+        block_tables=torch.arange(first_block, first_block + blocks, dtype=torch.int32)[None],
+        query_start_loc=torch.tensor([0, t], dtype=torch.int32),
+        context_lens=torch.tensor([t], dtype=torch.int32), logits_indices=torch.arange(t))
