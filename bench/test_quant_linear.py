@@ -1,21 +1,25 @@
 """pagedserve::quant_linear (int4, int8) next to fp32 F.linear for Qwen2.5-1.5B's MLP shapes, and at M=1 the
-fraction of the memory roofline (bytes of qweight + scales + mins at the measured bandwidth).
+fraction of the memory roofline (bytes of qweight + scales + mins at the measured bandwidth). "int4" and
+"int8" have two-level scales (Q4_K's form); "int4-flat" is the same weight with fp32 scales and mins per
+group (Q4_0/Q4_1's form), 26 % more bytes.
 
 Each timed call uses the next of several copies of the weights, together larger than the L3 cache,
 so M=1 streams from memory as in a real decode step (a model's weights never fit in L3)."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ops.cpu
-from ops.quant_linear import QuantizedWeight, quant_linear, quantize_int4, quantize_int8
+from ops.quant_linear import quant_linear, quantize_int4, quantize_int8
 from decode_steps import Timed
 
 SHAPES = ((8960, 1536), (1536, 8960))      # (out_features, in_features): gate/up and down projections
 ROWS = (1, 8, 64)
-KINDS = ("fp32", "int8", "int4")
+KINDS = ("fp32", "int8", "int4-flat", "int4")
 ROTATION_BYTES = 128 << 20                 # all copies together: well past a 32 MiB L3
 ROUNDS = {1: 40, 8: 20, 64: 10}
 
@@ -25,13 +29,16 @@ def _copies(n: int, k: int, kind: str) -> list:
     if kind == "fp32":
         one, size = w, w.numel() * 4
     else:
-        one = (quantize_int4 if kind == "int4" else quantize_int8)(w)
+        one = (quantize_int8 if kind == "int8" else quantize_int4)(w)
+        one = one.flattened() if kind == "int4-flat" else one
         size = one.nbytes
     count = max(2, -(-ROTATION_BYTES // size))
     if kind == "fp32":
         return [one.clone() for _ in range(count)]
-    return [QuantizedWeight(one.bits, one.out_features, one.in_features, one.qweight.clone(), one.scales.clone(),
-                            None if one.mins is None else one.mins.clone()) for _ in range(count)]
+    def clone(t):
+        return None if t is None else t.clone()
+    return [replace(one, qweight=one.qweight.clone(), scales=one.scales.clone(), mins=clone(one.mins),
+                    supers=clone(one.supers)) for _ in range(count)]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -17,7 +17,7 @@ class EngineInfo:
     model_path: str
     architecture: str
     dtype: str
-    weights: str            # linear weights by format, e.g. "int4 g32 asym x141, int8 g32 x57"
+    weights: str            # linear weights by format, e.g. "int4 g32x8 asym x84, int8 g32x8 sym x15"
     device: str
     max_model_len: int
     max_concurrency: int

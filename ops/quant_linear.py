@@ -17,10 +17,16 @@ T = ceil(N / 8) tiles, G = K / 32 groups:
           holds rows (p, p+4) and a three-step horizontal add yields the 8 row sums in order.
     scales, mins: float32 [T, G, 8]: the 8 rows' values of a group are one vector load.
 Padding rows have q = 0, scale = 0, min = 0.
+
+Two-level scales (llama.cpp's K-quants: Q4_K, Q5_K), for K a multiple of 256: scales and mins are
+uint8 [T, G, 8] sub-values and `supers` float32 [T, G/8, S, 8] multiplies them per 8 groups (256
+values): scale = supers[t, g // 8, 0] * scales[t, g], min = supers[t, g // 8, 1] * mins[t, g] (S = 2
+with mins, else 1), each product rounded to fp32 once (exact for a GGUF file's fp16 supers). An int4
+tile-group then takes 152 bytes instead of 192, and decode reads the weights' bytes once per step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -35,6 +41,7 @@ _INT4_ROW_ORDER_INVERSE = (0, 2, 4, 6, 1, 3, 5, 7)
 _GROUP_BYTES = {4: ROW_TILE * GROUP // 2, 8: ROW_TILE * GROUP}
 _Q_DTYPE = {4: torch.uint8, 8: torch.int8}
 _Q_RANGE = {4: (0, 15), 8: (-128, 127)}
+SUPER = 8                   # groups sharing one super value in two-level scales (256 values, QK_K)
 
 
 class QuantError(UserError, ValueError):
@@ -73,6 +80,18 @@ def _untile_per_group(values: Tensor) -> Tensor:
     return values.transpose(1, 2).reshape(-1, values.shape[1])
 
 
+def _tile_supers(supers: Tensor) -> Tensor:
+    """[Np, G/8, S] -> [T, G/8, S, 8]."""
+    n, g8, s = supers.shape
+    return supers.view(n // ROW_TILE, ROW_TILE, g8, s).permute(0, 2, 3, 1).contiguous()
+
+
+def _untile_supers(supers: Tensor) -> Tensor:
+    """[T, G/8, S, 8] -> [Np, G/8, S]."""
+    t, g8, s, _ = supers.shape
+    return supers.permute(0, 3, 1, 2).reshape(t * ROW_TILE, g8, s)
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedWeight:
     """A [N, K] weight in the kernel layout described in this module's docstring."""
@@ -82,10 +101,13 @@ class QuantizedWeight:
     qweight: Tensor
     scales: Tensor
     mins: Tensor | None
+    supers: Tensor | None = None     # two-level scales: scales and mins are uint8 sub-values
 
     @classmethod
-    def from_groups(cls, q: Tensor, scales: Tensor, mins: Tensor | None, bits: int) -> QuantizedWeight:
-        """q: [N, K] (bits=4: uint8 0..15; bits=8: int8); scales, mins: float32 [N, K // 32]."""
+    def from_groups(cls, q: Tensor, scales: Tensor, mins: Tensor | None, bits: int,
+                    supers: Tensor | None = None) -> QuantizedWeight:
+        """q: [N, K] (bits=4: uint8 0..15; bits=8: int8); scales, mins: float32 [N, K // 32]; or, with
+        `supers` float32 [N, K // 256, S] (S = 2 with mins, else 1), scales and mins uint8 sub-values."""
         if bits not in _Q_DTYPE:
             raise QuantError(f"bits={bits}: allowed are 4 and 8")
         if q.dim() != 2 or q.dtype != _Q_DTYPE[bits]:
@@ -98,37 +120,77 @@ class QuantizedWeight:
         low, high = _Q_RANGE[bits]
         if bits == 4 and int(q.max()) > high:
             raise QuantError(f"bits=4 q values must lie in {low}..{high}, got a maximum of {int(q.max())}")
+        groups = k // GROUP
+        if supers is not None:
+            count = 1 + (mins is not None)
+            if groups % SUPER or supers.dtype != torch.float32 or tuple(supers.shape) != (n, groups // SUPER, count):
+                raise QuantError(f"supers must be float32 [{n}, {groups // SUPER}, {count}] (K a multiple of "
+                                 f"{GROUP * SUPER}; one scale{' and one min' if count == 2 else ''} factor per "
+                                 f"row and {GROUP * SUPER} values), got {supers.dtype} {tuple(supers.shape)} for K={k}")
+        factor_dtype = torch.float32 if supers is None else torch.uint8
         for name, t in (("scales", scales), ("mins", mins)):
-            if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (n, k // GROUP)):
-                raise QuantError(f"{name} must be float32 [{n}, {k // GROUP}] (one per row and group of "
-                                 f"{GROUP}), got {t.dtype} {tuple(t.shape)}")
+            if t is not None and (t.dtype != factor_dtype or tuple(t.shape) != (n, groups)):
+                raise QuantError(f"{name} must be {factor_dtype} [{n}, {groups}] (one per row and group of "
+                                 f"{GROUP}{' under supers' if supers is not None else ''}), "
+                                 f"got {t.dtype} {tuple(t.shape)}")
         pad = -n % ROW_TILE
-        q = torch.nn.functional.pad(q.cpu(), (0, 0, 0, pad))
-        tiled = [None if t is None else _tile_per_group(torch.nn.functional.pad(t.cpu(), (0, 0, 0, pad)))
-                 for t in (scales, mins)]
-        return cls(bits, n, k, _pack(q, bits), tiled[0], tiled[1])
 
-    def to_groups(self) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(q, scales, mins) as given to from_groups."""
+        def rows_padded(t: Tensor) -> Tensor:
+            return torch.nn.functional.pad(t.cpu(), (0, 0) * (t.dim() - 1) + (0, pad))
+        tiled = [None if t is None else _tile_per_group(rows_padded(t)) for t in (scales, mins)]
+        return cls(bits, n, k, _pack(rows_padded(q), bits), tiled[0], tiled[1],
+                   None if supers is None else _tile_supers(rows_padded(supers)))
+
+    def to_groups(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """(q, scales, mins, supers) as given to from_groups."""
         n = self.out_features
         q = _unpack(self.qweight, self.bits)[:n]
         mins = None if self.mins is None else _untile_per_group(self.mins)[:n].contiguous()
-        return q.contiguous(), _untile_per_group(self.scales)[:n].contiguous(), mins
+        supers = None if self.supers is None else _untile_supers(self.supers)[:n].contiguous()
+        return q.contiguous(), _untile_per_group(self.scales)[:n].contiguous(), mins, supers
+
+    def flat_groups(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(q, scales, mins) with float32 scales and mins per group: two-level ones multiplied out."""
+        return self.flattened().to_groups()[:3]
+
+    def flattened(self) -> QuantizedWeight:
+        """The same weight with float32 scales (and mins) per group."""
+        if self.supers is None:
+            return self
+        per_group = self.supers.repeat_interleave(SUPER, dim=1)          # [T, G, S, 8]
+        mins = None if self.mins is None else (per_group[:, :, 1] * self.mins.float()).contiguous()
+        return replace(self, scales=(per_group[:, :, 0] * self.scales.float()).contiguous(), mins=mins, supers=None)
+
+    def with_zero_mins(self) -> QuantizedWeight:
+        """The same weight with explicit mins (zeros where it had none): what a fused asymmetric part needs."""
+        if self.mins is not None:
+            return self
+        supers = None if self.supers is None else torch.cat([self.supers, torch.zeros_like(self.supers)], dim=2)
+        return replace(self, mins=torch.zeros_like(self.scales), supers=supers)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """[N, K] weights from the formula: exact in float64; otherwise evaluated in float32 (one rounding
         per product and per added min), then cast to `dtype`."""
-        q, scales, mins = self.to_groups()
+        q, scales, mins = self.flat_groups()
         work = torch.float64 if dtype == torch.float64 else torch.float32
         w = q.to(work).view(q.shape[0], -1, GROUP) * scales.to(work)[..., None]
         if mins is not None:
             w = w + mins.to(work)[..., None]
         return w.view(q.shape).to(dtype)
 
+    def with_bits(self, bits: int) -> QuantizedWeight:
+        """The same weight stored as int8: int4 values 0..15 fit as they are, with the same scales."""
+        if bits == self.bits:
+            return self
+        if (self.bits, bits) != (4, 8):
+            raise QuantError(f"int{self.bits} -> int{bits} would lose precision; only int4 -> int8 is lossless")
+        q, scales, mins, supers = self.to_groups()
+        return QuantizedWeight.from_groups(q.to(torch.int8), scales, mins, 8, supers)
+
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """The weights stacked along N (e.g. q, k and v projections into one). Parts without mins
-        get zero mins when another part has them."""
+        get zero mins when another part has them; scales stay two-level only when every part's are."""
         if not parts:
             raise QuantError("QuantizedWeight.cat needs at least one part")
         first = parts[0]
@@ -136,27 +198,29 @@ class QuantizedWeight:
             if (p.bits, p.in_features) != (first.bits, first.in_features):
                 raise QuantError(f"QuantizedWeight.cat parts must share bits and in_features: got "
                                  f"{first.describe()} K={first.in_features} and {p.describe()} K={p.in_features}")
-        with_mins = any(p.mins is not None for p in parts)
-
-        def mins_of(scales: Tensor, mins: Tensor | None) -> Tensor:
-            return torch.zeros_like(scales) if mins is None else mins
+        if not all(p.supers is not None for p in parts):
+            parts = [p.flattened() for p in parts]
+        if any(p.mins is not None for p in parts):
+            parts = [p.with_zero_mins() for p in parts]
         if all(p.out_features % ROW_TILE == 0 for p in parts[:-1]):
             # no padding rows inside the result: the tiles stack as they are
-            mins = torch.cat([mins_of(p.scales, p.mins) for p in parts]) if with_mins else None
-            return QuantizedWeight(first.bits, sum(p.out_features for p in parts), first.in_features,
-                                   torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                                   mins)
+            def stacked(field: str) -> Tensor | None:
+                values = [getattr(p, field) for p in parts]
+                return None if values[0] is None else torch.cat(values)
+            return replace(first, out_features=sum(p.out_features for p in parts), qweight=stacked("qweight"),
+                           scales=stacked("scales"), mins=stacked("mins"), supers=stacked("supers"))
         groups = [p.to_groups() for p in parts]
-        mins = torch.cat([mins_of(g[1], g[2]) for g in groups]) if with_mins else None
-        return QuantizedWeight.from_groups(torch.cat([g[0] for g in groups]), torch.cat([g[1] for g in groups]),
-                                           mins, first.bits)
+        joined = [None if groups[0][i] is None else torch.cat([g[i] for g in groups]) for i in range(4)]
+        return QuantizedWeight.from_groups(joined[0], joined[1], joined[2], first.bits, joined[3])
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins, self.supers)
+                   if t is not None)
 
     def describe(self) -> str:
-        return f"int{self.bits} g{GROUP} {'sym' if self.mins is None else 'asym'}"
+        scales = "g32x8" if self.supers is not None else "g32"
+        return f"int{self.bits} {scales} {'sym' if self.mins is None else 'asym'}"
 
 
 def _weight_groups(w: Tensor, group_size: int) -> Tensor:
@@ -174,23 +238,60 @@ def _per_group32(values: Tensor, group_size: int) -> Tensor:
     return values.repeat_interleave(group_size // GROUP, dim=1).contiguous()
 
 
+def _two_level(values: Tensor) -> tuple[Tensor, Tensor]:
+    """Magnitudes >= 0 per group [N, G] -> (uint8 sub-values [N, G], float32 supers [N, G/8]) with
+    supers * sub >= value, rounded up so that a quantized group's range still covers its weights."""
+    per_super = values.view(values.shape[0], -1, SUPER)
+    supers = per_super.amax(-1) / 255
+    safe = torch.where(supers > 0, supers, 1.0)[..., None]
+    subs = torch.ceil(per_super / safe).clamp(0, 255).to(torch.uint8)
+    return subs.view(values.shape), supers
+
+
+def _expand(subs: Tensor, supers: Tensor) -> Tensor:
+    """The fp32 factors two-level (subs, supers) stand for, [N, G] (as QuantizedWeight multiplies them)."""
+    return supers.repeat_interleave(SUPER, dim=1) * subs.float()
+
+
+def _wants_two_level(k: int) -> bool:
+    return k % (GROUP * SUPER) == 0
+
+
 def quantize_int8(w: Tensor, group_size: int = GROUP) -> QuantizedWeight:
-    """Symmetric: scale = amax / 127 per group, q = round(w / scale), no mins."""
+    """Symmetric: scale = amax / 127 per group, q = round(w / scale), no mins. When K is a multiple of
+    256 the scales are two-level (each rounded up to a multiple of its super-block's max / 255)."""
     groups = _weight_groups(w, group_size)
-    scales = groups.abs().amax(-1) / 127
-    safe = torch.where(scales > 0, scales, 1.0)[..., None]
-    q = torch.round(groups / safe).clamp(-127, 127).to(torch.int8).view(w.shape)
-    return QuantizedWeight.from_groups(q, _per_group32(scales, group_size), None, 8)
+    scales = _per_group32(groups.abs().amax(-1) / 127, group_size)
+    supers = None
+    if _wants_two_level(w.shape[1]):
+        subs, supers = _two_level(scales)
+        scales, supers = _expand(subs, supers), supers[..., None]
+    safe = torch.where(scales > 0, scales, 1.0).view(w.shape[0], -1, 1)
+    q = torch.round(w.detach().cpu().float().view(w.shape[0], -1, GROUP) / safe).clamp(-127, 127)
+    q = q.to(torch.int8).view(w.shape)
+    return QuantizedWeight.from_groups(q, subs if supers is not None else scales, None, 8, supers)
 
 
 def quantize_int4(w: Tensor, group_size: int = GROUP) -> QuantizedWeight:
-    """Asymmetric: per group min and scale = (max - min) / 15, q = round((w - min) / scale) in 0..15."""
+    """Asymmetric: per group min and scale = (max - min) / 15, q = round((w - min) / scale) in 0..15.
+    When K is a multiple of 256 the factors are two-level like llama.cpp's Q4_K: mins are <= 0 (a group
+    above zero starts at 0) and rounded away from zero, then scales are rounded up to still reach the max."""
     groups = _weight_groups(w, group_size)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scales = (high - low) / 15
-    safe = torch.where(scales > 0, scales, 1.0)[..., None]
-    q = torch.round((groups - low[..., None]) / safe).clamp(0, 15).to(torch.uint8).view(w.shape)
-    return QuantizedWeight.from_groups(q, _per_group32(scales, group_size), _per_group32(low, group_size), 4)
+    low, high = _per_group32(groups.amin(-1), group_size), _per_group32(groups.amax(-1), group_size)
+    subs = supers = None
+    if _wants_two_level(w.shape[1]):
+        min_subs, min_supers = _two_level(-low.clamp(max=0))
+        low = -_expand(min_subs, min_supers)
+        subs, scale_supers = _two_level((high - low) / 15)
+        scales, supers = _expand(subs, scale_supers), torch.stack([scale_supers, -min_supers], dim=-1)
+    else:
+        scales = (high - low) / 15
+    safe = torch.where(scales > 0, scales, 1.0).view(w.shape[0], -1, 1)
+    x = w.detach().cpu().float().view(w.shape[0], -1, GROUP)
+    q = torch.round((x - low.view(w.shape[0], -1, 1)) / safe).clamp(0, 15).to(torch.uint8).view(w.shape)
+    if supers is None:
+        return QuantizedWeight.from_groups(q, scales, low, 4)
+    return QuantizedWeight.from_groups(q, subs, min_subs, 4, supers)
 
 
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -201,7 +302,8 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     return xq.view(x.shape), dx
 
 
-def _check(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits: int, out_features: int) -> None:
+def _check(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supers: Tensor | None, bits: int,
+           out_features: int) -> None:
     op = "quant_linear"
     bits = int(bits)    # dynamo may trace a weight's int attributes as SymInts; a dict key must be an int
     require(bits in _Q_DTYPE, op, f"bits={bits}: allowed are 4 and 8")
@@ -212,11 +314,18 @@ def _check(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits
             f"qweight must be a contiguous {_Q_DTYPE[bits]} [tiles, K/{GROUP}, {_GROUP_BYTES[bits]}] tensor for "
             f"bits={bits} (build it with QuantizedWeight), got {qweight.dtype} {tuple(qweight.shape)}")
     tiles, groups = qweight.shape[:2]
+    factor_dtype = torch.float32 if supers is None else torch.uint8
     for name, t in (("scales", scales), ("mins", mins)):
-        require(t is None or (t.dtype == torch.float32 and t.shape == (tiles, groups, ROW_TILE)
+        require(t is None or (t.dtype == factor_dtype and t.shape == (tiles, groups, ROW_TILE)
                               and t.is_contiguous()), op,
-                f"{name} must be contiguous float32 [{tiles}, {groups}, {ROW_TILE}] to match qweight, "
-                f"got {None if t is None else (t.dtype, tuple(t.shape))}")
+                f"{name} must be contiguous {factor_dtype} [{tiles}, {groups}, {ROW_TILE}] to match qweight"
+                f"{' and supers' if supers is not None else ''}, got {None if t is None else (t.dtype, tuple(t.shape))}")
+    if supers is not None:
+        shape = (tiles, groups // SUPER, 1 + (mins is not None), ROW_TILE)
+        require(groups % SUPER == 0 and supers.dtype == torch.float32 and supers.shape == shape
+                and supers.is_contiguous(), op,
+                f"supers must be contiguous float32 {list(shape)} (K a multiple of {GROUP * SUPER}), "
+                f"got {supers.dtype} {tuple(supers.shape)}")
     require(x.shape[1] == groups * GROUP, op,
             f"x has K={x.shape[1]} features, the weight has {groups * GROUP} ({groups} groups of {GROUP})")
     require((tiles - 1) * ROW_TILE < out_features <= tiles * ROW_TILE, op,
@@ -226,25 +335,26 @@ def _check(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits
 
 @register("quant_linear", "cpu")
 @register("quant_linear", "cuda")
-def reference_quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits: int,
-                           out_features: int) -> Tensor:
+def reference_quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supers: Tensor | None,
+                           bits: int, out_features: int) -> Tensor:
     """The kernel's math in float64: quantized activations times the exactly dequantized weights."""
     xq, dx = quantize_activations(x)
     x_used = (xq.double().view(*dx.shape, GROUP) * dx.double()[..., None]).view(x.shape)
-    w = QuantizedWeight(bits, out_features, x.shape[1], qweight, scales, mins).dequantize(torch.float64)
+    w = QuantizedWeight(bits, out_features, x.shape[1], qweight, scales, mins, supers).dequantize(torch.float64)
     return (x_used @ w.T).to(x.dtype)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::quant_linear", mutates_args=())
-def quant_linear_op(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits: int,
-                    out_features: int) -> Tensor:
-    _check(x, qweight, scales, mins, bits, out_features)
-    return impl("quant_linear", x.device)(x, qweight, scales, mins, bits, out_features)
+def quant_linear_op(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supers: Tensor | None,
+                    bits: int, out_features: int) -> Tensor:
+    _check(x, qweight, scales, mins, supers, bits, out_features)
+    return impl("quant_linear", x.device)(x, qweight, scales, mins, supers, bits, out_features)
 
 
 @quant_linear_op.register_fake
-def _(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits: int, out_features: int) -> Tensor:
-    _check(x, qweight, scales, mins, bits, out_features)
+def _(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supers: Tensor | None, bits: int,
+      out_features: int) -> Tensor:
+    _check(x, qweight, scales, mins, supers, bits, out_features)
     return x.new_empty((x.shape[0], out_features))
 
 
@@ -255,7 +365,7 @@ def quant_linear(x: Tensor, w: QuantizedWeight, bias: Tensor | None = None) -> T
         raise QuantError(f"x has {x.shape[-1]} features, the quantized weight ({w.describe()}, "
                          f"[{w.out_features}, {w.in_features}]) expects {w.in_features}")
     flat = x if x.dim() == 2 else x.reshape(-1, w.in_features)
-    out = direct.quant_linear(flat, w.qweight, w.scales, w.mins, w.bits, w.out_features)
+    out = direct.quant_linear(flat, w.qweight, w.scales, w.mins, w.supers, w.bits, w.out_features)
     if x.dim() != 2:
         out = out.view(*x.shape[:-1], w.out_features)
     return out if bias is None else out + bias.to(out.dtype)

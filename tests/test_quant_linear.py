@@ -6,26 +6,42 @@ import pytest
 import torch
 
 from ops import OpInputError
-from ops.quant_linear import (GROUP, QuantError, QuantizedWeight, quant_linear, quantize_int4, quantize_int8,
-                              reference_quant_linear)
+from ops.quant_linear import (GROUP, SUPER, QuantError, QuantizedWeight, quant_linear, quantize_int4,
+                              quantize_int8, reference_quant_linear)
 
 Ms = (0, 1, 2, 3, 5, 8, 17, 64, 300)      # 300 rows at K=1024 span two of the kernel's x chunks
-SHAPES = ((40, 32), (12, 96), (200, 1024))      # (N, K)
+SHAPES = ((40, 32), (12, 96), (13, 512), (200, 1024))      # (N, K)
 
 
 pytestmark = pytest.mark.usefixtures("cpp_kernels")
 
 
-def _random_groups(n: int, k: int, bits: int, with_mins: bool, seed: int = 0):
-    """Random (q, scales, mins) over each type's full range, including int8's -128."""
+def _random_groups(n: int, k: int, bits: int, with_mins: bool, seed: int = 0, two_level: bool = False):
+    """Random (q, scales, mins, supers) over each type's full range, including int8's -128. Two-level:
+    uint8 sub-values 0..255 under fp16-representable supers (a GGUF K-quant's form)."""
     g = torch.Generator().manual_seed(seed)
     if bits == 4:
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     else:
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    if two_level:
+        def sub():
+            return torch.randint(0, 256, (n, k // GROUP), generator=g, dtype=torch.uint8)
+        supers = (torch.rand(n, k // GROUP // SUPER, 2 if with_mins else 1, generator=g) * 1e-4 + 1e-5).half().float()
+        if with_mins:
+            supers[..., 1] *= -1
+        return q, sub(), sub() if with_mins else None, supers
     scales = torch.rand(n, k // GROUP, generator=g) * 0.02 + 1e-3
     mins = -torch.rand(n, k // GROUP, generator=g) * 0.1 if with_mins else None
-    return q, scales, mins
+    return q, scales, mins, None
+
+
+def _flat(scales, mins, supers):
+    """Two-level factors multiplied out in fp32, as the format defines them."""
+    if supers is None:
+        return scales, mins
+    per_group = supers.repeat_interleave(SUPER, dim=1)
+    return per_group[..., 0] * scales.float(), None if mins is None else per_group[..., 1] * mins.float()
 
 
 def _formula(q, scales, mins) -> torch.Tensor:
@@ -35,42 +51,51 @@ def _formula(q, scales, mins) -> torch.Tensor:
 
 
 def _run_op(x, w: QuantizedWeight):
-    return torch.ops.pagedserve.quant_linear(x, w.qweight, w.scales, w.mins, w.bits, w.out_features)
+    return torch.ops.pagedserve.quant_linear(x, w.qweight, w.scales, w.mins, w.supers, w.bits, w.out_features)
 
 
 def _run_reference(x, w: QuantizedWeight):
-    return reference_quant_linear(x, w.qweight, w.scales, w.mins, w.bits, w.out_features)
+    return reference_quant_linear(x, w.qweight, w.scales, w.mins, w.supers, w.bits, w.out_features)
 
 
 @pytest.mark.parametrize("bits", (4, 8))
 @pytest.mark.parametrize("with_mins", (True, False))
 @pytest.mark.parametrize("n", (1, 8, 13, 200))
-def test_from_groups_round_trips_and_dequantizes_to_the_formula(bits, with_mins, n):
-    q, scales, mins = _random_groups(n, 96, bits, with_mins)
-    w = QuantizedWeight.from_groups(q, scales, mins, bits)
-    q2, scales2, mins2 = w.to_groups()
-    assert torch.equal(q2, q) and torch.equal(scales2, scales)
-    assert (mins2 is None) == (mins is None) and (mins is None or torch.equal(mins2, mins))
-    assert (w.out_features, w.in_features, w.bits) == (n, 96, bits)
-    assert torch.equal(w.dequantize(torch.float64), _formula(q, scales, mins))
-    assert torch.allclose(w.dequantize(), _formula(q, scales, mins).float(), rtol=1e-6, atol=1e-7)
-    assert w.describe() == f"int{bits} g32 {'asym' if with_mins else 'sym'}"
-    padded = -(-n // 8) * 8
-    assert w.nbytes == padded * 96 * bits // 8 + padded * 3 * 4 * (2 if with_mins else 1)
+@pytest.mark.parametrize("two_level", (False, True))
+def test_from_groups_round_trips_and_dequantizes_to_the_formula(bits, with_mins, n, two_level):
+    k = 512 if two_level else 96
+    groups = _random_groups(n, k, bits, with_mins, two_level=two_level)
+    w = QuantizedWeight.from_groups(*groups[:3], bits, groups[3])
+    for got, given in zip(w.to_groups(), groups):
+        assert (got is None and given is None) or torch.equal(got, given)
+    assert (w.out_features, w.in_features, w.bits) == (n, k, bits)
+    scales, mins = _flat(*groups[1:])
+    assert all(torch.equal(a, b) for a, b in zip(w.flat_groups(), (groups[0], scales, mins)) if b is not None)
+    assert torch.equal(w.dequantize(torch.float64), _formula(groups[0], scales, mins))
+    assert torch.allclose(w.dequantize(), _formula(groups[0], scales, mins).float(), rtol=1e-6, atol=1e-7)
+    assert w.describe() == f"int{bits} {'g32x8' if two_level else 'g32'} {'asym' if with_mins else 'sym'}"
+    padded, factors = -(-n // 8) * 8, 2 if with_mins else 1
+    per_group = 1 + 4 / SUPER if two_level else 4      # bytes of one row's factor per group
+    assert w.nbytes == padded * k * bits // 8 + padded * (k // GROUP) * per_group * factors
+    assert torch.equal(w.flattened().dequantize(torch.float64), w.dequantize(torch.float64))
 
 
 @pytest.mark.parametrize("group_size", (32, 64, 128))
-def test_quantizers_keep_each_weight_within_half_a_step(group_size):
-    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("k", (384, 512))       # fp32 factors per group; two-level ones (K a multiple of 256)
+def test_quantizers_keep_each_weight_within_half_a_step(group_size, k):
+    w = torch.randn(24, k, generator=torch.Generator().manual_seed(1))
     w[3, :group_size] = 0.5                  # a constant group: int4's range is zero, the value exact
+    w[5, :256] = torch.rand(256) + 2         # a super-block above zero: two-level mins are 0 there
     for qw in (quantize_int4(w, group_size), quantize_int8(w, group_size)):
-        q, scales, mins = qw.to_groups()
+        assert (qw.supers is not None) == (k % 256 == 0)
+        q, scales, mins = qw.flat_groups()
         step = scales.repeat_interleave(GROUP, dim=1)
         err = (qw.dequantize() - w).abs()
         assert bool((err <= step / 2 * (1 + 1e-5) + 1e-6).all()), f"{qw.describe()}: worst {err.max()}"
         shared = scales.view(24, -1, group_size // GROUP)
         assert bool((shared == shared[..., :1]).all()), "a larger group's scale is repeated for each 32"
-    assert bool((quantize_int4(w, group_size).dequantize()[3, :group_size] == 0.5).all())
+    if k % 256:
+        assert bool((quantize_int4(w, group_size).dequantize()[3, :group_size] == 0.5).all())
     assert quantize_int8(w).mins is None and quantize_int4(w).mins is not None
     assert int(quantize_int4(w).to_groups()[0].max()) <= 15
 
@@ -88,10 +113,14 @@ def _activations(m: int, k: int, dtype, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("bits", (4, 8))
 @pytest.mark.parametrize("with_mins", (True, False))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-def test_kernel_matches_the_reference(bits, with_mins, dtype):
+@pytest.mark.parametrize("two_level", (False, True))
+def test_kernel_matches_the_reference(bits, with_mins, dtype, two_level):
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
     for n, k in SHAPES:
-        w = QuantizedWeight.from_groups(*_random_groups(n, k, bits, with_mins, seed=n + k), bits)
+        if two_level and k % (GROUP * SUPER):
+            continue
+        groups = _random_groups(n, k, bits, with_mins, seed=n + k, two_level=two_level)
+        w = QuantizedWeight.from_groups(*groups[:3], bits, groups[3])
         for m in Ms:
             x = _activations(m, k, dtype, seed=m)
             out, ref = _run_op(x, w), _run_reference(x, w)
@@ -99,6 +128,8 @@ def test_kernel_matches_the_reference(bits, with_mins, dtype):
             scale = ref.float().abs().amax(-1, keepdim=True).clamp_min(1e-30)
             torch.testing.assert_close(out.float() / scale, ref.float() / scale, **tol,
                                        msg=lambda s: f"bits={bits} mins={with_mins} M={m} N={n} K={k}: {s}")
+            if two_level:   # the same fp32 factors as the flat form: the same sums, bit for bit
+                assert torch.equal(out, _run_op(x, w.flattened()))
 
 
 def test_reference_is_close_to_the_float_product():
@@ -123,27 +154,48 @@ def test_quant_linear_takes_any_leading_shape_and_a_bias():
 @pytest.mark.parametrize("ns", ((16, 8, 24), (12, 40, 7), (8, 5)))
 @pytest.mark.parametrize("bits", (4, 8))
 @pytest.mark.parametrize("mins", ("all", "some"))
-def test_cat_equals_the_concatenated_weights(ns, bits, mins):
-    """Also when only some parts have mins (a Q6_K part requantized to symmetric int8 next to Q4_K ones)."""
-    parts = [QuantizedWeight.from_groups(*_random_groups(n, 64, bits, mins == "all" or i % 2 == 0, seed=i), bits)
-             for i, n in enumerate(ns)]
+@pytest.mark.parametrize("two_level", ("all", "some", "none"))
+def test_cat_equals_the_concatenated_weights(ns, bits, mins, two_level):
+    """Also when only some parts have mins (a Q6_K part requantized to symmetric int8 next to Q4_K ones)
+    or two-level scales (Q4_K next to Q4_0)."""
+    parts = []
+    for i, n in enumerate(ns):
+        groups = _random_groups(n, 256, bits, mins == "all" or i % 2 == 0, seed=i,
+                                two_level=two_level == "all" or (two_level == "some" and i % 2 == 1))
+        parts.append(QuantizedWeight.from_groups(*groups[:3], bits, groups[3]))
     joined = QuantizedWeight.cat(parts)
     assert joined.out_features == sum(ns)
+    assert (joined.supers is not None) == (two_level == "all")
     assert torch.equal(joined.dequantize(), torch.cat([p.dequantize() for p in parts]))
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 256)
     torch.testing.assert_close(_run_op(x, joined), torch.cat([_run_op(x, p) for p in parts], dim=1),
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("two_level", (False, True))
+def test_int4_widens_to_int8_without_loss(two_level):
+    groups = _random_groups(12, 256, 4, True, two_level=two_level)
+    w4 = QuantizedWeight.from_groups(*groups[:3], 4, groups[3])
+    w8 = w4.with_bits(8)
+    assert w8.bits == 8 and (w8.supers is not None) == two_level
+    assert torch.equal(w8.dequantize(torch.float64), w4.dequantize(torch.float64))
+    with pytest.raises(QuantError, match="only int4 -> int8"):
+        w8.with_bits(4)
+
+
 def test_bad_weights_raise_quant_errors_naming_the_value():
-    q, scales, mins = _random_groups(8, 64, 4, True)
+    q, scales, mins, _ = _random_groups(8, 64, 4, True)
+    q2, subs, sub_mins, supers = _random_groups(8, 256, 4, True, two_level=True)
     cases = [
+        (lambda: QuantizedWeight.from_groups(q, scales, mins, 4, supers), "supers must be float32 [8, 0, 2]"),
+        (lambda: QuantizedWeight.from_groups(q2, subs, sub_mins, 4, supers[..., :1]), "supers must be float32 [8, 1, 2]"),
+        (lambda: QuantizedWeight.from_groups(q2, subs.float(), sub_mins, 4, supers), "scales must be torch.uint8"),
         (lambda: QuantizedWeight.from_groups(q, scales, mins, 3), "bits=3"),
         (lambda: QuantizedWeight.from_groups(q.to(torch.int8), scales, mins, 4), "torch.uint8"),
         (lambda: QuantizedWeight.from_groups(q[:, :40], scales, mins, 4), "multiple of 32"),
         (lambda: QuantizedWeight.from_groups(q | 16, scales, mins, 4), "0..15"),
-        (lambda: QuantizedWeight.from_groups(q, scales[:, :1], mins, 4), "scales must be float32 [8, 2]"),
-        (lambda: QuantizedWeight.from_groups(q, scales, mins.double(), 4), "mins must be float32"),
+        (lambda: QuantizedWeight.from_groups(q, scales[:, :1], mins, 4), "scales must be torch.float32 [8, 2]"),
+        (lambda: QuantizedWeight.from_groups(q, scales, mins.double(), 4), "mins must be torch.float32"),
         (lambda: quantize_int4(torch.randn(8, 64), group_size=48), "group_size=48"),
         (lambda: quantize_int8(torch.randn(8, 80)), "K a multiple of group_size=32"),
         (lambda: QuantizedWeight.cat([quantize_int4(torch.randn(8, 64)), quantize_int8(torch.randn(8, 64))]),
@@ -157,25 +209,33 @@ def test_bad_weights_raise_quant_errors_naming_the_value():
 
 def test_bad_op_inputs_raise_op_input_errors():
     w = quantize_int4(torch.randn(12, 64))
+    groups = _random_groups(12, 256, 4, True, two_level=True)
+    w2 = QuantizedWeight.from_groups(*groups[:3], 4, groups[3])
     op = torch.ops.pagedserve.quant_linear
     cases = [
-        (lambda: op(torch.randn(2, 64), w.qweight, w.scales, w.mins, 8, 12), "bits=8"),
-        (lambda: op(torch.randn(2, 64).half(), w.qweight, w.scales, w.mins, 4, 12), "float32 or bfloat16"),
-        (lambda: op(torch.randn(2, 96), w.qweight, w.scales, w.mins, 4, 12), "K=96"),
-        (lambda: op(torch.randn(2, 64), w.qweight, w.scales, w.mins, 4, 17), "out_features=17"),
-        (lambda: op(torch.randn(2, 64), w.qweight, w.scales[:, :1], w.mins, 4, 12), "scales must be contiguous"),
+        (lambda: op(torch.randn(2, 64), w.qweight, w.scales, w.mins, None, 8, 12), "bits=8"),
+        (lambda: op(torch.randn(2, 64).half(), w.qweight, w.scales, w.mins, None, 4, 12), "float32 or bfloat16"),
+        (lambda: op(torch.randn(2, 96), w.qweight, w.scales, w.mins, None, 4, 12), "K=96"),
+        (lambda: op(torch.randn(2, 64), w.qweight, w.scales, w.mins, None, 4, 17), "out_features=17"),
+        (lambda: op(torch.randn(2, 64), w.qweight, w.scales[:, :1], w.mins, None, 4, 12), "scales must be contiguous"),
+        (lambda: op(torch.randn(2, 256), w2.qweight, w2.scales, w2.mins, None, 4, 12), "scales must be contiguous torch.float32"),
+        (lambda: op(torch.randn(2, 256), w2.qweight, w2.scales, w2.mins, w2.supers[:, :, :1].contiguous(), 4, 12),
+         "supers must be contiguous float32"),
     ]
     for call, words in cases:
         with pytest.raises(OpInputError, match=words):
             call()
 
 
-@pytest.mark.parametrize("bits, with_mins, dtype", [(4, True, torch.float32), (8, False, torch.bfloat16)])
-def test_opcheck(bits, with_mins, dtype):
-    w = QuantizedWeight.from_groups(*_random_groups(13, 64, bits, with_mins), bits)
+@pytest.mark.parametrize("bits, with_mins, dtype, two_level",
+                         [(4, True, torch.float32, False), (8, False, torch.bfloat16, False), (4, True, torch.float32, True)])
+def test_opcheck(bits, with_mins, dtype, two_level):
+    k = 256 if two_level else 64
+    groups = _random_groups(13, k, bits, with_mins, two_level=two_level)
+    w = QuantizedWeight.from_groups(*groups[:3], bits, groups[3])
     for m in (0, 3):
         torch.library.opcheck(torch.ops.pagedserve.quant_linear.default,
-                              (torch.randn(m, 64).to(dtype), w.qweight, w.scales, w.mins, bits, 13))
+                              (torch.randn(m, k).to(dtype), w.qweight, w.scales, w.mins, w.supers, bits, 13))
 
 
 @pytest.mark.parametrize("dynamic", (False, True))

@@ -26,7 +26,9 @@ from engine.loading.gguf import gguf_to_hf_dir
 from gguf_writer import write_gguf
 from tiny_models import make_hybrid_checkpoint, whole_prompt_batch
 from ops.quant_linear import GROUP, QuantizedWeight, quantize_int4, quantize_int8
-from test_gguf import SHARED_FILES
+from test_gguf import SHARED, SHARED_FILES
+
+K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 
 PROMPTS = ["The quick brown fox", "def generate(prompt", "Der schnelle braune Fuchs springt über",
            "模型把每个请求的键和值", "hello hello hello", "1 2 3 4 5 6"]
@@ -57,12 +59,14 @@ def test_every_block_format_repacks(gguf_files):
         for t in _kept_tensors(path):
             shape = tuple(int(d) for d in reversed(t.shape))
             data = t.data.reshape(shape[0], -1)
-            q, scales, mins = gguf_quant.groups(data, t.tensor_type, shape)
-            weight = QuantizedWeight.from_groups(q, scales, mins, gguf_quant.bits_of(t.tensor_type))
+            q, scales, mins, supers = gguf_quant.groups(data, t.tensor_type, shape)
+            weight = QuantizedWeight.from_groups(q, scales, mins, gguf_quant.bits_of(t.tensor_type), supers)
+            # K-quants have two-level scales: Q4_K/Q5_K the file's own, Q6_K's requantized ones
+            assert (supers is not None) == (t.tensor_type in K_QUANTS)
             expected = torch.from_numpy(np.require(quants.dequantize(data, t.tensor_type), np.float32))
             ours = weight.dequantize()
             if t.tensor_type == GGMLQuantizationType.Q6_K:
-                half_step = (scales.abs() / 2).repeat_interleave(GROUP, dim=1)
+                half_step = (weight.flat_groups()[1] / 2).repeat_interleave(GROUP, dim=1)
                 assert ((ours - expected).abs() <= half_step * (1 + 1e-5)).all(), (path.name, t.name)
             else:
                 assert torch.equal(ours, expected), (path.name, t.name, t.tensor_type.name)
@@ -83,11 +87,24 @@ def test_kept_checkpoint_holds_the_widened_weights(path, tmp_path):
     for name in quantized:
         weight = kept.get_linear(name, tuple(widened[name].shape), torch.float32)
         assert isinstance(weight, QuantizedWeight)
+        assert (weight.supers is not None) == (types[name] in K_QUANTS)
         if types[name] == GGMLQuantizationType.Q6_K:
-            half_step = float(weight.to_groups()[1].abs().max()) / 2
+            half_step = float(weight.flat_groups()[1].max()) / 2
             torch.testing.assert_close(weight.dequantize(), widened[name], atol=half_step * 1.0001, rtol=0)
         else:
             assert torch.equal(weight.dequantize(), widened[name]), name
+
+
+def test_quantized_entry_in_an_older_group_form_is_converted_again(tmp_path):
+    """A `-quantized` cache entry written before K-quants kept two-level scales (no group_format in its
+    marker) would load with fp32 scales per group; it is converted again instead."""
+    path, cache = SHARED / "qwen3-hd128-Q4_K.gguf", tmp_path / "cache"
+    entry = gguf_to_hf_dir(path, "float32", cache_root=cache, keep_quantized=True)
+    marker = entry / gguf_module.MARKER
+    marker.write_text(marker.read_text().replace('"group_format"', '"old_group_format"'))
+    assert gguf_to_hf_dir(path, "float32", cache_root=cache, keep_quantized=True) == entry
+    assert f'"group_format": {gguf_module.GROUP_FORMAT}' in marker.read_text()
+    assert any(name.endswith(".qsupers") for name in open_checkpoint(entry).names())
 
 
 def _greedy_agreement(model: str, **quantized) -> tuple[float, float]:

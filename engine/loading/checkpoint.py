@@ -14,14 +14,15 @@ from safetensors import SafetensorError, safe_open
 from engine.errors import UserError
 
 SINGLE_FILE = "model.safetensors"
-GROUP_SUFFIXES = (".qvalues", ".qscales", ".qmins")   # a weight stored quantized: see group_tensor_names
+GROUP_SUFFIXES = (".qvalues", ".qscales", ".qmins", ".qsupers")   # a weight stored quantized: group_tensor_names
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def group_tensor_names(name: str) -> tuple[str, str, str]:
+def group_tensor_names(name: str) -> tuple[str, str, str, str]:
     """The stored names of a weight kept in group form (ops/quant_linear.py: w = scale * q + min):
     integer values [N, K] (uint8 = int4 values, int8 = int8), then float32 scales and mins [N, K/32]
-    (mins absent when zero)."""
+    (mins absent when zero); or, with two-level scales, uint8 sub-scales and sub-mins and float32
+    supers [N, K/256, 1 or 2]."""
     return tuple(name + suffix for suffix in GROUP_SUFFIXES)
 
 
@@ -83,18 +84,23 @@ class Checkpoint:
         else the dense tensor in `dtype`."""
         if not self.is_quantized(name):
             return self.get(name, shape, dtype)
-        from ops.quant_linear import GROUP, QuantError, QuantizedWeight
+        from ops.quant_linear import GROUP, SUPER, QuantError, QuantizedWeight
 
-        values, scales, mins = group_tensor_names(name)
+        values, scales, mins, supers = group_tensor_names(name)
         q = self._read(values, shape)
         groups = (shape[0], shape[1] // GROUP)
         bits = {torch.uint8: 4, torch.int8: 8}.get(q.dtype)
         if bits is None:
             raise CheckpointError(f"{self._locate(values)[0]}: tensor {values!r} is {q.dtype}; "
                                   "group values are uint8 (int4) or int8")
+        two_level = self.has(supers)
+        factors = [self._read(t, groups) if self.has(t) else None for t in (scales, mins)]
+        if not two_level:
+            factors = [None if t is None else t.float() for t in factors]
         try:
-            return QuantizedWeight.from_groups(q, self._read(scales, groups).float(),
-                                               self._read(mins, groups).float() if self.has(mins) else None, bits)
+            return QuantizedWeight.from_groups(
+                q, factors[0], factors[1], bits,
+                self._read(supers, (shape[0], groups[1] // SUPER, 1 + self.has(mins))) if two_level else None)
         except QuantError as e:
             raise CheckpointError(f"{self._locate(values)[0]}: weight {name!r}: {e}") from None
 

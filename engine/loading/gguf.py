@@ -48,6 +48,9 @@ SHARD_BYTES = 2 * 1024**3
 DEQUANT_BAND_ELEMENTS = 16 * 1024**2
 HASH_CHUNK = 8 * 1024**2
 MARKER = "complete.json"
+# The stored group form's version; a quantized entry written in another one is converted again
+# (2: K-quants keep their two-level scales).
+GROUP_FORMAT = 2
 HASH_INDEX = "hash-index.json"
 
 # progress(tensors_done, tensors_total, tensor_name), called after each converted tensor
@@ -78,7 +81,7 @@ def gguf_to_hf_dir(gguf_path: str | Path, dtype: str = "bfloat16", cache_root: P
     root.mkdir(parents=True, exist_ok=True)
     digest = _file_sha256(path, root)
     entry = root / f"{digest[:16]}-{dtype}{'-quantized' if keep_quantized else ''}"
-    if _entry_is_complete(entry, digest):
+    if _entry_is_complete(entry, digest, keep_quantized):
         return entry
     return _build_entry(path, digest, dtype, entry, progress, keep_quantized)
 
@@ -105,12 +108,14 @@ def _file_sha256(path: Path, root: Path) -> str:
     return sha.hexdigest()
 
 
-def _entry_is_complete(entry: Path, digest: str) -> bool:
-    """Quick check: marker with the full hash, and every file it lists present with its size."""
+def _entry_is_complete(entry: Path, digest: str, keep_quantized: bool) -> bool:
+    """Quick check: marker with the full hash (and the group form's version), and every file it lists
+    present with its size."""
     try:
         marker = json.loads((entry / MARKER).read_text(encoding="utf-8"))
-        return marker["sha256"] == digest and all(
-            (entry / name).stat().st_size == size for name, size in marker["files"].items())
+        group_format = GROUP_FORMAT if keep_quantized else None
+        return (marker["sha256"] == digest and marker.get("group_format") == group_format
+                and all((entry / name).stat().st_size == size for name, size in marker["files"].items()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
@@ -123,13 +128,16 @@ def _build_entry(path: Path, digest: str, dtype: str, entry: Path, progress: Pro
     try:
         _convert(path, tmp, DTYPES[dtype], progress, keep_quantized)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        _write_json_atomic(tmp / MARKER, {"sha256": digest, "dtype": dtype, "source": str(path), "files": files})
+        marker = {"sha256": digest, "dtype": dtype, "source": str(path), "files": files}
+        if keep_quantized:
+            marker["group_format"] = GROUP_FORMAT
+        _write_json_atomic(tmp / MARKER, marker)
         if entry.exists():
             shutil.rmtree(entry)
         try:
             os.rename(tmp, entry)
         except OSError:
-            if not _entry_is_complete(entry, digest):  # another process did not just finish it
+            if not _entry_is_complete(entry, digest, keep_quantized):  # another process did not just finish it
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -6,13 +6,16 @@ the `gguf` package's dequantizer gives (scale = d * sc is exact in fp32: an fp16
 
     Q4_0  d * (q - 8)              -> int4, scale d, min -8d
     Q4_1  d * q + m                -> int4, scale d, min m
-    Q4_K  d*sc_j * q - dmin*m_j    -> int4 per 32-value sub-block j
+    Q4_K  d*sc_j * q - dmin*m_j    -> int4 per 32-value sub-block j, two-level: sub-values sc_j and m_j
+                                      under the super-block's d and -dmin (as the file stores them)
     Q5_0  d * (q - 16)             -> int8 values q - 16, scale d
-    Q5_1, Q5_K                     -> int8 values 0..31 with the format's scale and min
+    Q5_1                           -> int8 values 0..31 with the format's scale and min
+    Q5_K                           -> int8 values 0..31, two-level like Q4_K
     Q8_0  d * q                    -> int8, scale d
 
 Q6_K has a scale per 16 values, which no 32-value group can hold exactly: it is requantized to int8 per
-32 values from its dequantized weights (one rounding, at most half an int8 step, a quarter of Q6_K's own).
+32 values from its dequantized weights (`quantize_int8`, two-level scales; one rounding, at most half an
+int8 step, about a quarter of Q6_K's own).
 """
 from __future__ import annotations
 
@@ -54,15 +57,16 @@ def _q4_1(b):
 
 
 def _k_scales(b):
-    """Q4_K/Q5_K super-block header -> per-sub-block scales d*sc and mins -dmin*m, [n, 8]."""
+    """Q4_K/Q5_K super-block header -> sub-scales sc and sub-mins m (uint8 [n, 8]) and the factors
+    [n, 2]: d and -dmin (scale = d * sc, min = -dmin * m)."""
     sc, m = quants.Q4_K.get_scale_min(b[:, 4:16])
-    return _f16(b[:, :2]) * sc.astype(np.float32), -(_f16(b[:, 2:4]) * m.astype(np.float32))
+    supers = np.stack([_f16(b[:, :2])[:, 0], -_f16(b[:, 2:4])[:, 0]], axis=-1)
+    return sc.astype(np.uint8), m.astype(np.uint8), supers
 
 
 def _q4_k(b):
-    scales, mins = _k_scales(b)
     q = _nibbles(b[:, 16:144].reshape(len(b), 4, 32))           # [n, 4 chunks, 64]
-    return q.reshape(len(b), QK_K), scales, mins
+    return (q.reshape(len(b), QK_K),) + _k_scales(b)
 
 
 def _q5_0(b):
@@ -77,10 +81,9 @@ def _q5_1(b):
 
 
 def _q5_k(b):
-    scales, mins = _k_scales(b)
     low = _nibbles(b[:, 48:176].reshape(len(b), 4, 32)).reshape(len(b), 8, 32)
     high = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1    # bit j of qh -> sub-block j
-    return (low | (high << 4)).astype(np.int8).reshape(len(b), QK_K), scales, mins
+    return ((low | (high << 4)).astype(np.int8).reshape(len(b), QK_K),) + _k_scales(b)
 
 
 def _q8_0(b):
@@ -91,19 +94,26 @@ _UNPACK = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q5_0: _q5_0, T.Q5_1: _
            T.Q8_0: _q8_0}
 
 
-def groups(data: np.ndarray, kind: T, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def groups(data: np.ndarray, kind: T, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
     """A GGUF tensor's raw bytes (`[rows, bytes per row]`, any of KEPT_TYPES) in group form for
-    `QuantizedWeight.from_groups`: q [N, K], scales and mins [N, K/32] (mins None when all zero)."""
+    `QuantizedWeight.from_groups`: (q [N, K], scales, mins, supers). One-level types give float32
+    scales and mins [N, K/32] (mins None when all zero) and supers None; K-quants give uint8 sub-scales
+    and sub-mins with float32 supers [N, K/256, 2]."""
     rows, cols = shape
     if kind == T.Q6_K:
         dense = torch.from_numpy(np.require(quants.dequantize(data, kind), np.float32)).reshape(shape)
         return quantize_int8(dense).to_groups()
     type_size = quants.GGML_QUANT_SIZES[kind][1]
-    q, scales, mins = _UNPACK[kind](np.ascontiguousarray(data).reshape(-1, type_size))
+    unpacked = _UNPACK[kind](np.ascontiguousarray(data).reshape(-1, type_size))
+    q, scales, mins = unpacked[:3]
+    supers = unpacked[3] if len(unpacked) == 4 else None
 
-    def per_group(a: np.ndarray | None) -> torch.Tensor | None:
-        return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, cols // GROUP)
-    return torch.from_numpy(np.ascontiguousarray(q)).reshape(rows, cols), per_group(scales), per_group(mins)
+    def per_row(a: np.ndarray | None, count: int) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, count, -1).squeeze(-1)
+    if supers is not None:
+        supers = per_row(supers, cols // QK_K)
+    return (torch.from_numpy(np.ascontiguousarray(q)).reshape(rows, cols), per_row(scales, cols // GROUP),
+            per_row(mins, cols // GROUP), supers)
 
 
 def bits_of(kind: T) -> int:

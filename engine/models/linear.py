@@ -35,11 +35,8 @@ def weight_nbytes(weight) -> int:
 
 def _to_bits(weight, bits: int, group_size: int) -> QuantizedWeight:
     if isinstance(weight, QuantizedWeight):
-        if weight.bits == bits:
-            return weight
-        if weight.bits == 4:     # values 0..15 fit int8 as they are: same scales and mins
-            q, scales, mins = weight.to_groups()
-            return QuantizedWeight.from_groups(q.to(torch.int8), scales, mins, 8)
+        if weight.bits == bits or (weight.bits, bits) == (4, 8):   # int4 values 0..15 fit int8 as they are
+            return weight.with_bits(bits)
         weight = weight.dequantize()
     quantize = quantize_int8 if bits == 8 else quantize_int4
     return quantize(weight.float(), group_size)
@@ -76,5 +73,5 @@ class LinearLoader:
         return fused
 
     def describe(self) -> str:
-        """What was loaded, for /props and the console: "int4 g32 asym x84, int8 g32 sym x15"."""
+        """What was loaded, for /props and the console: "int4 g32x8 asym x84, int8 g32 sym x15"."""
         return ", ".join(f"{name} x{count}" for name, count in self.formats.most_common())

@@ -82,9 +82,9 @@ def cpp_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) ->
     return _lib.add_rms_norm(x.contiguous(), residual.contiguous(), weight.contiguous(), eps)
 
 
-def cpp_quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, bits: int,
-                     out_features: int) -> Tensor:
-    return _lib.quant_linear(x.contiguous(), qweight, scales, mins, bits, out_features)
+def cpp_quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supers: Tensor | None,
+                     bits: int, out_features: int) -> Tensor:
+    return _lib.quant_linear(x.contiguous(), qweight, scales, mins, supers, bits, out_features)
 
 
 CPP_BODIES: dict[str, Callable] = {"paged_attention": cpp_paged_attention, "write_kv": cpp_write_kv,
