@@ -2,7 +2,7 @@
 // x is quantized to int8 per (row, 32-block) once per call; each (row, group) dot product is exact in int32
 // (AVX2 maddubs/madd), then scaled in fp32: acc += (scale * dx) * isum + min * (dx * sum xq).
 // Two-level scales (K-quants) store uint8 sub-scales and -mins with an fp32 factor per 8 groups; a group's
-// scale is their fp32 product, so both forms run the same arithmetic after it.
+// scale is their fp32 product, multiplied out per tile before the same tile kernels run.
 // Threads split the weight's 8-row tiles; within a thread a chunk of x rows stays in L2 while its tiles
 // stream by, and each tile-group of weights is unpacked once for up to kRowBlock x rows.
 #include <ATen/ATen.h>
@@ -102,35 +102,34 @@ Activations quantize_activations(const T* x, int64_t rows, int64_t k) {
 // What a tile kernel reads: one 8-row weight tile and `MR` consecutive quantized x rows.
 struct TileArgs {
   const void* weight;     // the tile's [G, bytes per group]
-  const void* scales;     // [G, 8] float32, or uint8 under supers
-  const void* mins;       // the same form as scales, or nullptr
-  const float* supers;    // two-level: [G/8, S, 8] (S = 2 with mins), else nullptr
+  const float* scales;    // [G, 8]
+  const float* mins;      // [G, 8] or nullptr
   const int8_t* xq;       // first x row, rows `k` apart
   const float* dx;        // [rows, G]
   const float* dx_sum;
   int64_t k, groups;
 };
 
-// Row r's scale (which = 0) or min (which = 1) in group g.
-inline float factor(const TileArgs& a, int which, int64_t g, int r) {
-  const void* values = which == 0 ? a.scales : a.mins;
-  if (a.supers == nullptr) return static_cast<const float*>(values)[g * kTile + r];
-  const int64_t count = a.mins != nullptr ? 2 : 1;
-  return a.supers[((g / kSuper) * count + which) * kTile + r] *
-         static_cast<float>(static_cast<const uint8_t*>(values)[g * kTile + r]);
+// A tile's two-level factors multiplied out to [G, 8] fp32 (which = 0: scales, 1: mins), once per tile
+// rather than once per x row block: a batch's steps are compute-bound, and this keeps the tile kernels
+// identical for both forms. supers: the tile's [G/8, count, 8].
+void expand_factors(const uint8_t* subs, const float* supers, int which, int64_t count, int64_t groups, float* out) {
+  for (int64_t b = 0; b < groups / kSuper; ++b) {
+    const float* super = supers + (b * count + which) * kTile;
+#ifdef __AVX2__
+    const __m256 factor = _mm256_loadu_ps(super);
+    for (int64_t g = b * kSuper; g < (b + 1) * kSuper; ++g) {
+      const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(subs + g * kTile));
+      _mm256_storeu_ps(out + g * kTile, _mm256_mul_ps(factor, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sub))));
+    }
+#else
+    for (int64_t g = b * kSuper; g < (b + 1) * kSuper; ++g)
+      for (int r = 0; r < kTile; ++r) out[g * kTile + r] = super[r] * static_cast<float>(subs[g * kTile + r]);
+#endif
+  }
 }
 
 #ifdef __AVX2__
-
-// The 8 rows' factor(a, which, g, r) in one vector.
-inline __m256 factors(const TileArgs& a, int which, int64_t g) {
-  const void* values = which == 0 ? a.scales : a.mins;
-  if (a.supers == nullptr) return _mm256_loadu_ps(static_cast<const float*>(values) + g * kTile);
-  const int64_t count = a.mins != nullptr ? 2 : 1;
-  const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(values) + g * kTile));
-  return _mm256_mul_ps(_mm256_loadu_ps(a.supers + ((g / kSuper) * count + which) * kTile),
-                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sub)));
-}
 
 inline __m256 group_sum_to_acc(__m256i isum, __m256 scale, __m256 min, bool has_mins, float dx, float dx_sum,
                                __m256 acc) {
@@ -166,8 +165,8 @@ void tile_int4(const TileArgs& a, float* out) {
         pairs[r][p] = _mm256_madd_epi16(s16, ones);
       }
     }
-    const __m256 scale = factors(a, 0, g);
-    const __m256 min = has_mins ? factors(a, 1, g) : _mm256_setzero_ps();
+    const __m256 scale = _mm256_loadu_ps(a.scales + g * kTile);
+    const __m256 min = has_mins ? _mm256_loadu_ps(a.mins + g * kTile) : _mm256_setzero_ps();
     for (int r = 0; r < MR; ++r) {
       const __m256i isum = _mm256_hadd_epi32(_mm256_hadd_epi32(pairs[r][0], pairs[r][1]),
                                              _mm256_hadd_epi32(pairs[r][2], pairs[r][3]));
@@ -199,8 +198,8 @@ void tile_int8(const TileArgs& a, float* out) {
       for (int r = 0; r < MR; ++r)
         rows[r][j] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[r], v)), ones);
     }
-    const __m256 scale = factors(a, 0, g);
-    const __m256 min = has_mins ? factors(a, 1, g) : _mm256_setzero_ps();
+    const __m256 scale = _mm256_loadu_ps(a.scales + g * kTile);
+    const __m256 min = has_mins ? _mm256_loadu_ps(a.mins + g * kTile) : _mm256_setzero_ps();
     for (int r = 0; r < MR; ++r) {
       const __m256i* s = rows[r];
       const __m256i r03 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
@@ -233,8 +232,8 @@ void tile_scalar(const TileArgs& a, int bits, float* out) {
         int32_t isum = 0;
         for (int i = 0; i < kGroup; ++i) isum += weight_q(a.weight, bits, g, row, i) * xr[i];
         const int64_t at = r * a.groups + g;
-        out[r * kTile + row] += factor(a, 0, g, row) * a.dx[at] * static_cast<float>(isum);
-        if (a.mins) out[r * kTile + row] += factor(a, 1, g, row) * a.dx_sum[at];
+        out[r * kTile + row] += a.scales[g * kTile + row] * a.dx[at] * static_cast<float>(isum);
+        if (a.mins) out[r * kTile + row] += a.mins[g * kTile + row] * a.dx_sum[at];
       }
 }
 
@@ -294,22 +293,36 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     const Activations act = quantize_activations(static_cast<const scalar_t*>(x.data_ptr()), rows, k);
     auto* y = static_cast<scalar_t*>(out.data_ptr());
     const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
-    const auto* sc = static_cast<const uint8_t*>(scales.data_ptr());
-    const auto* mn = has_mins ? static_cast<const uint8_t*>(mins->data_ptr()) : nullptr;
+    // two-level: uint8 sub-values and their supers; flat: the fp32 factors themselves
+    const auto* subs = two_level ? scales.data_ptr<uint8_t>() : nullptr;
+    const auto* sub_mins = two_level && has_mins ? mins->data_ptr<uint8_t>() : nullptr;
     const float* sup = two_level ? supers->data_ptr<float>() : nullptr;
-    const int64_t factor_bytes = scales.element_size();
+    const float* flat_scales = two_level ? nullptr : scales.data_ptr<float>();
+    const float* flat_mins = !two_level && has_mins ? mins->data_ptr<float>() : nullptr;
+    const int64_t tile_factors = groups * kTile;
     const int64_t chunk = std::max<int64_t>(kRowBlock, kChunkBytes / k / kRowBlock * kRowBlock);
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       float acc[kRowBlock * kTile];
+      std::vector<float> expanded(two_level ? tile_factors * super_count : 0);
       for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
         const int64_t m_end = std::min(rows, m0 + chunk);
         for (int64_t t = begin; t < end; ++t) {
           const int64_t n0 = t * kTile, valid = std::min(kTile, out_features - n0);
+          const float* tile_scales = expanded.data();
+          const float* tile_mins = has_mins ? expanded.data() + tile_factors : nullptr;
+          if (two_level) {
+            const float* tile_supers = sup + t * (groups / kSuper) * super_count * kTile;
+            expand_factors(subs + t * tile_factors, tile_supers, 0, super_count, groups, expanded.data());
+            if (has_mins)
+              expand_factors(sub_mins + t * tile_factors, tile_supers, 1, super_count, groups,
+                             expanded.data() + tile_factors);
+          } else {
+            tile_scales = flat_scales + t * tile_factors;
+            tile_mins = has_mins ? flat_mins + t * tile_factors : nullptr;
+          }
           for (int64_t m = m0; m < m_end; m += kRowBlock) {
             const int block = static_cast<int>(std::min<int64_t>(kRowBlock, m_end - m));
-            const TileArgs args{w + t * groups * group_bytes, sc + t * groups * kTile * factor_bytes,
-                                mn ? mn + t * groups * kTile * factor_bytes : nullptr,
-                                sup ? sup + t * (groups / kSuper) * super_count * kTile : nullptr, act.q.data() + m * k,
+            const TileArgs args{w + t * groups * group_bytes, tile_scales, tile_mins, act.q.data() + m * k,
                                 act.dx.data() + m * groups, act.dx_sum.data() + m * groups, k, groups};
             run_rows(args, static_cast<int>(bits), block, acc);
             for (int r = 0; r < block; ++r)
