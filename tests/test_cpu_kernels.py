@@ -167,3 +167,40 @@ def test_norm_kernels_match_reference_on_many_and_strided_rows(dtype):
     want_normed, want_summed = reference_add_rms_norm(x, residual, w, 1e-6)
     assert torch.equal(summed, want_summed)
     torch.testing.assert_close(normed, want_normed, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(1, 40), (7, 37), (33, 256), (130, 1000)])
+def test_dense_linear_matches_float64_on_decode_sized_batches(dtype, n, k):
+    """Odd W row counts (a row paired with itself), K off the 8- and 16-wide steps, and 0 to 17 rows
+    (17 goes past SMALL_ROWS to F.linear)."""
+    g = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=g).to(dtype)
+    for m in (0, 1, 2, 3, 4, 5, 8, 16, 17):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        got = pagedserve.dense_linear(x, weight)
+        want = (x.double() @ weight.double().T).to(dtype)
+        assert got.shape == (m, n) and got.dtype == dtype
+        scale = float(want.float().abs().max()) if m else 1.0     # sums of K products: relative to the largest
+        torch.testing.assert_close(got.float() / scale, want.float() / scale, **TOL[dtype])
+
+
+def test_dense_linear_uses_the_kernel_only_where_it_applies(monkeypatch):
+    weight, x = torch.randn(24, 64), torch.randn(3, 64)
+    calls = []
+    real = ops.cpu._lib.dense_linear
+    monkeypatch.setattr(ops.cpu, "_lib", type("Lib", (), {"dense_linear": staticmethod(
+        lambda *a: calls.append(a[0].shape[0]) or real(*a))})())
+    ops.cpu.cpp_dense_linear(x, weight)
+    ops.cpu.cpp_dense_linear(torch.randn(17, 64), weight)                  # a prefill chunk: MKL
+    ops.cpu.cpp_dense_linear(x, torch.randn(64, 24).T)                      # a strided weight: no copy per call
+    ops.cpu.cpp_dense_linear(x.double(), weight.double())                   # a dtype the kernel lacks
+    assert calls == [3]
+
+
+def test_dense_linear_rejects_mismatched_inputs():
+    with pytest.raises(ops.OpInputError, match="same K"):
+        pagedserve.dense_linear(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(ops.OpInputError, match="share one floating dtype"):
+        pagedserve.dense_linear(torch.randn(2, 8), torch.randn(4, 8).bfloat16())
+    torch.library.opcheck(torch.ops.pagedserve.dense_linear.default, (torch.randn(3, 40), torch.randn(7, 40)))

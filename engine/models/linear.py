@@ -16,6 +16,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from ops import direct
 from ops.quant_linear import QuantizedWeight, quant_linear, quantize_int4, quantize_int8
 
 MODES = ("auto", "none", "int8", "int4")
@@ -24,7 +25,10 @@ MODES = ("auto", "none", "int8", "int4")
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, QuantizedWeight):
         return quant_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    if x.device.type != "cpu":     # on GPUs inductor fuses and picks the GEMM itself
+        return F.linear(x, weight, bias)
+    out = direct.dense_linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
 
 
 def weight_nbytes(weight) -> int:

@@ -21,6 +21,7 @@ from torch import Tensor
 from ops._registry import register, require
 from ops.cpu import build
 from ops.paged_attention import _check_lengths, _prefill_row, torch_paged_attention
+from ops.dense_linear import SMALL_ROWS, torch_dense_linear
 from ops.quant_linear import reference_quant_linear
 from ops.rms_norm import torch_add_rms_norm, torch_rms_norm
 from ops.rotary import torch_rotary
@@ -87,12 +88,21 @@ def cpp_quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | 
     return _lib.quant_linear(x.contiguous(), qweight, scales, mins, supers, bits, out_features)
 
 
+def cpp_dense_linear(x: Tensor, weight: Tensor) -> Tensor:
+    if (x.shape[0] > SMALL_ROWS or x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype
+            or not weight.is_contiguous()):
+        return torch_dense_linear(x, weight)
+    return _lib.dense_linear(x.contiguous(), weight)
+
+
 CPP_BODIES: dict[str, Callable] = {"paged_attention": cpp_paged_attention, "write_kv": cpp_write_kv,
                                    "rotary": cpp_rotary, "quant_linear": cpp_quant_linear,
-                                   "rms_norm": cpp_rms_norm, "add_rms_norm": cpp_add_rms_norm}
+                                   "rms_norm": cpp_rms_norm, "add_rms_norm": cpp_add_rms_norm,
+                                   "dense_linear": cpp_dense_linear}
 TORCH_BODIES: dict[str, Callable] = {"paged_attention": torch_paged_attention, "write_kv": torch_write_kv,
                                      "rotary": torch_rotary, "quant_linear": reference_quant_linear,
-                                     "rms_norm": torch_rms_norm, "add_rms_norm": torch_add_rms_norm}
+                                     "rms_norm": torch_rms_norm, "add_rms_norm": torch_add_rms_norm,
+                                     "dense_linear": torch_dense_linear}
 
 
 def kernels_available() -> bool:
