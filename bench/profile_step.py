@@ -33,7 +33,8 @@ from models import SPECS, bench_model_dir  # noqa: E402
 
 # The outermost profiler event with one of these names owns its whole subtree.
 CATEGORIES = {
-    "GEMM": {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm", "pagedserve::quant_linear"},
+    "GEMM": {"aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm", "pagedserve::quant_linear",
+             "pagedserve::dense_linear"},
     "attention": {"pagedserve::paged_attention"},
     "write_kv": {"pagedserve::write_kv"},
     "norm/rotary/act": {"pagedserve::rms_norm", "pagedserve::add_rms_norm", "pagedserve::rotary",

@@ -1,8 +1,12 @@
 // Decode rows of pagedserve::paged_attention: K/V read in place from the paged cache (no gather copy),
-// online softmax in fp32, the G query heads of a kv head sharing each K/V load.
+// online softmax in fp32, the G query heads of a kv head going over each K/V block while it is in L1.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +26,60 @@ inline float dot(const float* a, const T* b, int64_t n) {
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * to_float(b[i]);
   return s;
+}
+
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {   // 8 bf16 -> fp32: the bits move to the high half
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// One head's scores against a block's keys. The AVX2 path takes four keys at a time: four independent
+// FMA chains sharing each load of q (one dot at a time was a chain of dependent adds; with the loop
+// below, the op ran 2.3-2.6x faster at 8 rows x 128 tokens, 0.6B shapes).
+template <typename T>
+void block_scores(const float* qg, const T* keys, int64_t slot_stride, int64_t len, int64_t dim, float* out) {
+  int64_t j = 0;
+#ifdef __AVX2__
+  if (dim % 8 == 0)
+    for (; j + 4 <= len; j += 4) {
+      __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t d = 0; d < dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + d);
+        for (int u = 0; u < 4; ++u) a[u] = _mm256_fmadd_ps(qv, load8(keys + (j + u) * slot_stride + d), a[u]);
+      }
+      for (int u = 0; u < 4; ++u) out[j + u] = hsum(a[u]);
+    }
+#endif
+  for (; j < len; ++j) out[j] = dot(qg, keys + j * slot_stride, dim);
+}
+
+// ag += sum over the block's keys of w[j] * v_j. The AVX2 path holds 32 outputs in registers across the
+// keys; adding into memory once per key made each output a chain through store forwarding.
+template <typename T>
+void block_values(const float* w, const T* values, int64_t slot_stride, int64_t len, int64_t dim, float* ag) {
+  int64_t d0 = 0;
+#ifdef __AVX2__
+  for (; d0 + 32 <= dim; d0 += 32) {
+    __m256 a[4];
+    for (int u = 0; u < 4; ++u) a[u] = _mm256_loadu_ps(ag + d0 + 8 * u);
+    for (int64_t j = 0; j < len; ++j) {
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      for (int u = 0; u < 4; ++u) a[u] = _mm256_fmadd_ps(wj, load8(values + j * slot_stride + d0 + 8 * u), a[u]);
+    }
+    for (int u = 0; u < 4; ++u) _mm256_storeu_ps(ag + d0 + 8 * u, a[u]);
+  }
+#endif
+  for (int64_t j = 0; j < len; ++j)
+    for (int64_t d = d0; d < dim; ++d) ag[d] += w[j] * to_float(values[j * slot_stride + d]);
 }
 
 struct CacheView {
@@ -50,10 +108,8 @@ void attend(const T* q, int64_t q_head_stride, T* out, int64_t out_head_stride, 
                 block, " for position ", start, " is outside the cache's ", cache.num_blocks, " blocks");
     const int64_t len = std::min(bs, ctx - start);
     const int64_t base = block * cache.block_stride + kv_head * cache.head_stride;
-    for (int64_t j = 0; j < len; ++j) {
-      const T* k = k_cache + base + j * cache.slot_stride;
-      for (int64_t g = 0; g < group; ++g) p[g * bs + j] = dot(qf + g * dim, k, dim);
-    }
+    for (int64_t g = 0; g < group; ++g)
+      block_scores(qf + g * dim, k_cache + base, cache.slot_stride, len, dim, p + g * bs);
     for (int64_t g = 0; g < group; ++g) {
       float* pg = p + g * bs;
       float m = run_max[g];
@@ -70,15 +126,8 @@ void attend(const T* q, int64_t q_head_stride, T* out, int64_t out_head_stride, 
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) ag[d] *= correction;
     }
-    for (int64_t j = 0; j < len; ++j) {
-      const T* v = v_cache + base + j * cache.slot_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const float w = p[g * bs + j];
-        float* ag = acc + g * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) ag[d] += w * to_float(v[d]);
-      }
-    }
+    for (int64_t g = 0; g < group; ++g)
+      block_values(p + g * bs, v_cache + base, cache.slot_stride, len, dim, acc + g * dim);
   }
   for (int64_t g = 0; g < group; ++g) {
     const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
