@@ -4,21 +4,22 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "bf16.h"
+#include "vec.h"
 
 namespace {
 
 using pagedserve_cpu::from_float;
 using pagedserve_cpu::to_float;
+#ifdef __AVX2__
+using pagedserve_cpu::hsum;
+using pagedserve_cpu::load8;
+#endif
 
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {
@@ -28,19 +29,6 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return s;
 }
 
-#ifdef __AVX2__
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {   // 8 bf16 -> fp32: the bits move to the high half
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
 
 // One head's scores against a block's keys. The AVX2 path takes four keys at a time: four independent
 // FMA chains sharing each load of q (one dot at a time was a chain of dependent adds; with the loop
