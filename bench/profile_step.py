@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import statistics
 import sys
 import time
@@ -113,9 +114,12 @@ def profile_decode(loop, batch: int, context: int, steps: int) -> tuple[float, d
 
 
 def profile_prefill(loop, tokens: int, steps: int) -> tuple[float, dict[str, float]]:
-    """Each measured step prefills one fresh `tokens`-long prompt in a single chunk."""
+    """Each measured step prefills one fresh `tokens`-long prompt in a single chunk (a new seed each time:
+    a repeated prompt would be served from the prefix cache)."""
+    seeds = itertools.count(tokens)
+
     def one_chunk():
-        loop.submit(random_prompts(1, tokens, seed=tokens)[0], greedy(1), bounded=False)
+        loop.submit(random_prompts(1, tokens, seed=next(seeds))[0], greedy(1), bounded=False)
         loop.run_once()
         if loop.scheduler.stats().running or loop.scheduler.has_work:
             raise RuntimeError(f"prefill {tokens}: the prompt did not fit one step; raise the "

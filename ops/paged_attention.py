@@ -99,9 +99,11 @@ def _prefill_row(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, start
         # Queries sit at the END of the context (after the cached prefix): bottom-right aligned causal mask.
         q_pos = torch.arange(n_ctx - n, n_ctx)
         mask, causal = torch.arange(n_ctx)[None, :] <= q_pos[:, None], False
-    attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=causal,
-                                              scale=scale, enable_gqa=True)
-    out[start:start + n] = attended.transpose(0, 1)
+    # A batch dimension of one: with 3-d inputs the CPU SDPA skips its flash kernel (512 causal tokens, 0.6B
+    # heads: 44 -> 19 ms; 2,048: 750 -> 180 ms).
+    attended = F.scaled_dot_product_attention(queries[None], keys[None], values[None], attn_mask=mask,
+                                              is_causal=causal, scale=scale, enable_gqa=True)
+    out[start:start + n] = attended[0].transpose(0, 1)
 
 
 @register("paged_attention", "cpu")
