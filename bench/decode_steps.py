@@ -1,5 +1,5 @@
-"""Timing pure decode steps through the scheduler: prime N decoders, then time `run_once` calls that
-are each exactly one decode row per request. Shared by the decode benches."""
+"""Timing engine steps through the scheduler: pure decode steps (prime N decoders, then time `run_once`
+calls that are each exactly one decode row per request) and one-chunk prefills. Shared by the benches."""
 from __future__ import annotations
 
 import statistics
@@ -58,3 +58,13 @@ def time_decode(benchmark, loop, batch: int, context: int, max_tokens: int, step
     assert loop.scheduler.stats().blocks_used == 0
     step.times = step.times[-steps:]
     return step
+
+
+def prefill_once(loop, tokens: int, seed: int) -> None:
+    """One step that prefills a fresh `tokens`-long prompt in a single chunk. Give each call its own seed:
+    a repeated prompt would be served from the prefix cache."""
+    loop.submit(random_prompts(1, tokens, seed=seed)[0], greedy(1), bounded=False)
+    loop.run_once()
+    if loop.scheduler.stats().running or loop.scheduler.has_work:
+        raise RuntimeError(f"prefill {tokens}: the prompt did not fit one step; raise the runner's idle "
+                           f"prefill budget or prefill fewer tokens")

@@ -27,9 +27,8 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import engine.runner  # noqa: E402
 import ops.cpu  # noqa: E402
-from decode_steps import generated, prime_decoders  # noqa: E402
+from decode_steps import generated, prefill_once, prime_decoders  # noqa: E402
 from engine import LLM  # noqa: E402
-from loadgen import greedy, random_prompts  # noqa: E402
 from models import SPECS, bench_model_dir  # noqa: E402
 
 # The outermost profiler event with one of these names owns its whole subtree.
@@ -114,16 +113,11 @@ def profile_decode(loop, batch: int, context: int, steps: int) -> tuple[float, d
 
 
 def profile_prefill(loop, tokens: int, steps: int) -> tuple[float, dict[str, float]]:
-    """Each measured step prefills one fresh `tokens`-long prompt in a single chunk (a new seed each time:
-    a repeated prompt would be served from the prefix cache)."""
+    """Each measured step prefills one fresh `tokens`-long prompt in a single chunk."""
     seeds = itertools.count(tokens)
 
     def one_chunk():
-        loop.submit(random_prompts(1, tokens, seed=next(seeds))[0], greedy(1), bounded=False)
-        loop.run_once()
-        if loop.scheduler.stats().running or loop.scheduler.has_work:
-            raise RuntimeError(f"prefill {tokens}: the prompt did not fit one step; raise the "
-                               f"runner's idle prefill budget or use a smaller --prefill")
+        prefill_once(loop, tokens, next(seeds))
 
     one_chunk()                      # warm-up
     times = []

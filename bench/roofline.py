@@ -28,6 +28,20 @@ class MachineRoofline:
     def decode_tok_s(self, *, weight_bytes: int, batch: int, kv_bytes: int = 0) -> float:
         return batch / self.decode_step_s(weight_bytes=weight_bytes, kv_bytes=kv_bytes)
 
+    def gemm_tok_s(self, *, flops: float, tokens: int) -> float:
+        """Tokens a second if a step's `flops` (for `tokens` tokens) ran at the probe's GEMM rate: the
+        ceiling of batched decode and of prefill, where compute, not the weight stream, binds."""
+        return tokens * self.gemm_gflop_s * 1e9 / flops
+
+
+def decoder_flops(cfg, *, tokens: int, attended: int, logit_rows: int) -> float:
+    """Multiply-adds x 2 of a dense decoder step: `tokens` through every linear layer, `attended` (query,
+    key) pairs summed over the step's tokens (q.k and p.v for each), and `logit_rows` through the head."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h = cfg.hidden_size
+    per_token = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
+    return 2.0 * (cfg.num_layers * (tokens * per_token + attended * 2 * q) + logit_rows * cfg.vocab_size * h)
+
 
 @contextmanager
 def torch_threads(n: int):
