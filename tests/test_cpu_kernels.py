@@ -9,6 +9,7 @@ import torch
 import ops
 import ops.cpu
 from ops import _registry
+from ops.dense_linear import SMALL_ROWS
 from ops.paged_attention import reference_paged_attention
 from ops.rms_norm import reference_add_rms_norm, reference_rms_norm
 from ops.rotary import reference_rotary, rope_cos_sin, torch_rotary
@@ -170,13 +171,14 @@ def test_norm_kernels_match_reference_on_many_and_strided_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, k", [(1, 40), (7, 37), (33, 256), (130, 1000)])
+@pytest.mark.parametrize("n, k", [(1, 40), (7, 37), (33, 256), (130, 1100)])
 def test_dense_linear_matches_float64_on_decode_sized_batches(dtype, n, k):
-    """Odd W row counts (a row paired with itself), K off the 8- and 16-wide steps, and 0 to 17 rows
-    (17 goes past SMALL_ROWS to F.linear)."""
+    """W row counts off the 3-row tiles and the 48-row chunks (the last row repeated), K off the 8- and
+    16-wide steps and, past 4 rows, cut in 512-value slices with a tail, and 0 to SMALL_ROWS + 1 rows
+    (the last goes to F.linear)."""
     g = torch.Generator().manual_seed(n + k)
     weight = torch.randn(n, k, generator=g).to(dtype)
-    for m in (0, 1, 2, 3, 4, 5, 8, 16, 17):
+    for m in (0, 1, 2, 3, 4, 5, 8, 17, 34, SMALL_ROWS, SMALL_ROWS + 1):
         x = torch.randn(m, k, generator=g).to(dtype)
         got = pagedserve.dense_linear(x, weight)
         want = (x.double() @ weight.double().T).to(dtype)
@@ -192,7 +194,7 @@ def test_dense_linear_uses_the_kernel_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(ops.cpu, "_lib", type("Lib", (), {"dense_linear": staticmethod(
         lambda *a: calls.append(a[0].shape[0]) or real(*a))})())
     ops.cpu.cpp_dense_linear(x, weight)
-    ops.cpu.cpp_dense_linear(torch.randn(17, 64), weight)                  # a prefill chunk: MKL
+    ops.cpu.cpp_dense_linear(torch.randn(SMALL_ROWS + 1, 64), weight)      # a prefill chunk: MKL
     ops.cpu.cpp_dense_linear(x, torch.randn(64, 24).T)                      # a strided weight: no copy per call
     ops.cpu.cpp_dense_linear(x.double(), weight.double())                   # a dtype the kernel lacks
     assert calls == [3]

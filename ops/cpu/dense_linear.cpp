@@ -1,9 +1,11 @@
 // pagedserve_cpu::dense_linear: y = x @ W.T for the few rows of a decode step (W [N, K] fp32 or bf16,
 // row-major as checkpoints store it). MKL's sgemm on this AMD CPU took 11.7 ms for 8 rows against a
-// 8960x1536 fp32 weight, 4.7 GB/s of weight traffic; here each W row is read from memory once per call
-// and the rows of x reuse it from cache, so a decode step streams the weights at memory speed.
-// Threads split W's rows; each thread takes two W rows at a time against up to four x rows (eight
-// accumulators of 8 lanes: the 16 AVX2 registers hold them with the loads).
+// 8960x1536 fp32 weight, 4.7 GB/s of weight traffic, and reached only 55-75 GFLOP/s at 32 rows.
+// Tiles of 4 x rows by 3 W rows: twelve accumulators of 8 lanes, with the three W loads and one x load
+// the 16 AVX2 registers are full, and each load feeds three or four FMAs.
+// Threads split W in chunks of 48 rows; each W row is read from memory once (a decode step streams the
+// weights). With more than four x rows K is cut into slices of 512, so that a tile's three W slices
+// (6 KB fp32) stay in L1 while every 4-row block of x passes over them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,75 +21,102 @@ namespace {
 
 using pagedserve_cpu::from_float;
 using pagedserve_cpu::to_float;
+
 #ifdef __AVX2__
 using pagedserve_cpu::hsum;
 using pagedserve_cpu::load8;
-#endif
 
-constexpr int kRows = 4;       // x rows per pass over a pair of W rows
-constexpr int64_t kPair = 2;   // W rows computed together
-constexpr int64_t kPrefetch = 256;   // elements ahead in each W row
-constexpr int64_t kSlice = 512;      // K values per pass when several row blocks share a W pair
+constexpr int kRows = 4;              // x rows per tile
+constexpr int kCols = 3;              // W rows per tile
+constexpr int64_t kChunk = 48;        // W rows per unit of parallel work (a multiple of kCols)
+constexpr int64_t kSlice = 512;       // K values per pass when several x blocks share a chunk
+constexpr int64_t kPrefetch = 256;    // elements ahead in each W row
 
-
-// out[r][0], out[r][1] = x row r . w0, w1 over k values, for MR x rows `stride` apart. With one or two
-// x rows each dot keeps two accumulators, so the FMA latency does not bound the loop.
-template <int MR, typename T>
-void pair_dots(const T* x, const T* w0, const T* w1, int64_t stride, int64_t k, float out[kRows][kPair]) {
-  int64_t i = 0;
-#ifdef __AVX2__
+// part[r * kChunk + c] += (x row r . W row c) over `len` values (a multiple of 8), as 8-lane partial
+// sums. One or two x rows use two accumulators per dot, so the FMA latency does not bound the loop.
+// noinline: inlined into the driver's loops, GCC's register allocation made the M=8 case 1.5-2.6x
+// slower (same source built as a separate function: 0.77 against 2.05 ms for 8 x 3072 -> 1024).
+template <int MR, bool kStream, typename T>
+__attribute__((noinline)) void tile(const T* x, int64_t x_stride, const T* const w[kCols], int64_t len, __m256* part, bool first) {
   constexpr int kSplit = MR <= 2 ? 2 : 1;
-  __m256 acc[MR][kPair][kSplit];
+  __m256 acc[MR][kCols][kSplit];
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < kPair; ++c)
-      for (int u = 0; u < kSplit; ++u) acc[r][c][u] = _mm256_setzero_ps();
-  for (; i + 8 * kSplit <= k; i += 8 * kSplit) {
-    __builtin_prefetch(w0 + i + kPrefetch);
-    __builtin_prefetch(w1 + i + kPrefetch);
-    for (int u = 0; u < kSplit; ++u) {
-      const __m256 a = load8(w0 + i + 8 * u), b = load8(w1 + i + 8 * u);
+    for (int c = 0; c < kCols; ++c)
+      for (int u = 0; u < kSplit; ++u)
+        acc[r][c][u] = first || u ? _mm256_setzero_ps() : part[r * kChunk + c];
+  for (int64_t i = 0; i < len; i += 8 * kSplit) {
+    if (kStream)   // W comes from memory; later x blocks find it in L1, where prefetches only take load slots
+      for (int c = 0; c < kCols; ++c) __builtin_prefetch(w[c] + i + kPrefetch);
+    for (int u = 0; u < kSplit && i + 8 * u < len; ++u) {
+      const int64_t at = i + 8 * u;
+      __m256 a = load8(w[0] + at), b = load8(w[1] + at), d = load8(w[2] + at);
+      // Each vector is loaded once into a register (the empty asm statements): left alone, GCC folded W's
+      // or x's loads into every FMA, 15-16 loads for 12 FMAs instead of 7.
+      asm("" : "+x"(a), "+x"(b), "+x"(d));
       for (int r = 0; r < MR; ++r) {
-        const __m256 xv = load8(x + r * stride + i + 8 * u);
+        __m256 xv = load8(x + r * x_stride + at);
+        asm("" : "+x"(xv));
         acc[r][0][u] = _mm256_fmadd_ps(xv, a, acc[r][0][u]);
         acc[r][1][u] = _mm256_fmadd_ps(xv, b, acc[r][1][u]);
+        acc[r][2][u] = _mm256_fmadd_ps(xv, d, acc[r][2][u]);
       }
     }
   }
-  for (; i + 8 <= k; i += 8) {
-    const __m256 a = load8(w0 + i), b = load8(w1 + i);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xv = load8(x + r * stride + i);
-      acc[r][0][0] = _mm256_fmadd_ps(xv, a, acc[r][0][0]);
-      acc[r][1][0] = _mm256_fmadd_ps(xv, b, acc[r][1][0]);
-    }
-  }
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < kPair; ++c) {
+    for (int c = 0; c < kCols; ++c) {
       __m256 sum = acc[r][c][0];
       for (int u = 1; u < kSplit; ++u) sum = _mm256_add_ps(sum, acc[r][c][u]);
-      out[r][c] = hsum(sum);
-    }
-#else
-  for (int r = 0; r < MR; ++r) out[r][0] = out[r][1] = 0.f;
-#endif
-  for (; i < k; ++i)
-    for (int r = 0; r < MR; ++r) {
-      const float xv = to_float(x[r * stride + i]);
-      out[r][0] += xv * to_float(w0[i]);
-      out[r][1] += xv * to_float(w1[i]);
+      part[r * kChunk + c] = sum;
     }
 }
 
-template <typename T>
-void pair_dots_rows(int rows, const T* x, const T* w0, const T* w1, int64_t stride, int64_t k,
-                    float out[kRows][kPair]) {
+template <bool kStream, typename T>
+void tile_rows(int rows, const T* x, int64_t x_stride, const T* const w[kCols], int64_t len, __m256* part,
+               bool first) {
   switch (rows) {
-    case 1: return pair_dots<1>(x, w0, w1, stride, k, out);
-    case 2: return pair_dots<2>(x, w0, w1, stride, k, out);
-    case 3: return pair_dots<3>(x, w0, w1, stride, k, out);
-    default: return pair_dots<kRows>(x, w0, w1, stride, k, out);
+    case 1: return tile<1, kStream>(x, x_stride, w, len, part, first);
+    case 2: return tile<2, kStream>(x, x_stride, w, len, part, first);
+    case 3: return tile<3, kStream>(x, x_stride, w, len, part, first);
+    default: return tile<kRows, kStream>(x, x_stride, w, len, part, first);
   }
 }
+
+template <typename T>
+void dense_linear_avx2(const T* xp, const T* wp, T* y, int64_t rows, int64_t k, int64_t n) {
+  const int64_t vec_k = k / 8 * 8;      // the vector part; the last k % 8 values are added at the end
+  const int64_t slice = rows > kRows ? kSlice : std::max<int64_t>(vec_k, 8);
+  at::parallel_for(0, (n + kChunk - 1) / kChunk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m256> part(rows * kChunk);
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t n0 = chunk * kChunk, cols = std::min(kChunk, n - n0);
+      for (int64_t c0 = 0; c0 < cols; c0 += kCols) {
+        const T* w[kCols];   // past the chunk's last row, repeat it (computed, never written)
+        for (int c = 0; c < kCols; ++c) w[c] = wp + (n0 + std::min<int64_t>(c0 + c, cols - 1)) * k;
+        for (int64_t k0 = 0; k0 < vec_k; k0 += slice) {
+          const int64_t len = std::min(slice, vec_k - k0);
+          const T* ws[kCols] = {w[0] + k0, w[1] + k0, w[2] + k0};
+          for (int64_t m = 0; m < rows; m += kRows) {
+            const int block = static_cast<int>(std::min<int64_t>(kRows, rows - m));
+            __m256* at = part.data() + m * kChunk + c0;
+            if (m == 0)     // the first x block pulls W's slice from memory, the others find it in L1
+              tile_rows<true>(block, xp + k0, k, ws, len, at, k0 == 0);
+            else
+              tile_rows<false>(block, xp + m * k + k0, k, ws, len, at, k0 == 0);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const T* xr = xp + r * k;
+          const T* wr = wp + (n0 + c) * k;
+          float sum = vec_k ? hsum(part[r * kChunk + c]) : 0.f;
+          for (int64_t i = vec_k; i < k; ++i) sum += to_float(xr[i]) * to_float(wr[i]);
+          y[r * n + n0 + c] = from_float<T>(sum);
+        }
+    }
+  });
+}
+#endif
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight) {
   const char* op = "pagedserve_cpu::dense_linear";
@@ -95,42 +124,18 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight) {
                   x.size(1) == weight.size(1) && x.scalar_type() == weight.scalar_type(),
               op, ": x [M, K] and weight [N, K] must be contiguous with one dtype, got x ", x.sizes(), " ",
               x.scalar_type(), " and weight ", weight.sizes(), " ", weight.scalar_type());
+#ifdef __AVX2__
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0 || n == 0) return out;
   PAGEDSERVE_DISPATCH_F32_BF16(x.scalar_type(), op, [&] {
-    const auto* xp = static_cast<const scalar_t*>(x.data_ptr());
-    const auto* wp = static_cast<const scalar_t*>(weight.data_ptr());
-    auto* y = static_cast<scalar_t*>(out.data_ptr());
-    const int64_t pairs = (n + 1) / kPair;   // an odd last W row is paired with itself
-    // Several row blocks share each W pair; K is cut in slices so that the x rows' slice and the W
-    // pair's slice stay in L1 for all of them (whole rows of 8960 values spilled to L2).
-    const int64_t slice = rows > kRows ? kSlice : k;
-    at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
-      float dots[kRows][kPair];
-      std::vector<float> acc_out(rows * kPair);
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t j = p * kPair, valid = std::min(kPair, n - j);
-        const scalar_t* w0 = wp + j * k;
-        const scalar_t* w1 = valid == kPair ? w0 + k : w0;
-        for (int64_t k0 = 0; k0 < k; k0 += slice) {
-          const int64_t len = std::min(slice, k - k0);
-          for (int64_t m = 0; m < rows; m += kRows) {
-            const int block = static_cast<int>(std::min<int64_t>(kRows, rows - m));
-            pair_dots_rows(block, xp + m * k + k0, w0 + k0, w1 + k0, k, len, dots);
-            for (int r = 0; r < block; ++r)
-              for (int64_t c = 0; c < valid; ++c) {
-                float& slot = acc_out[(m + r) * kPair + c];
-                slot = k0 == 0 ? dots[r][c] : slot + dots[r][c];
-              }
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t c = 0; c < valid; ++c) y[r * n + j + c] = from_float<scalar_t>(acc_out[r * kPair + c]);
-      }
-    });
+    dense_linear_avx2(static_cast<const scalar_t*>(x.data_ptr()), static_cast<const scalar_t*>(weight.data_ptr()),
+                      static_cast<scalar_t*>(out.data_ptr()), rows, k, n);
   });
   return out;
+#else
+  return at::linear(x, weight);   // this kernel is AVX2 only
+#endif
 }
 
 }  // namespace
