@@ -28,6 +28,7 @@ from ops.rotary import reference_rotary, rope_cos_sin  # noqa: E402
 from ops.silu_and_mul import reference_silu_and_mul  # noqa: E402
 from ops.triton import KERNELS  # noqa: E402
 from ops.triton._launch import interpreting  # noqa: E402
+from ops.triton.gated_delta_rule import CHUNK as TRITON_DELTA_CHUNK  # noqa: E402
 from ops.write_kv import reference_write_kv  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
@@ -154,10 +155,12 @@ def _qsl(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-def _delta_inputs(num_tokens: int, dtype: torch.dtype, seed: int = 6):
+def _delta_inputs(num_tokens: int, dtype: torch.dtype, seed: int = 6, dk: int = 12, dv: int = 10):
+    """Hk=2 q/k heads, Hv=4 value heads (GQA 2); q, k of about unit norm, so that the recurrence stays
+    bounded over long rows without L2 normalisation too."""
     g = _gen(seed)
-    q, k = (torch.randn(num_tokens, 2, 12, generator=g).to(dtype) for _ in range(2))   # Hk=2, Dk=12
-    v = torch.randn(num_tokens, 4, 10, generator=g).to(dtype)                             # Hv=4, Dv=10
+    q, k = ((torch.randn(num_tokens, 2, dk, generator=g) * dk ** -0.5).to(dtype) for _ in range(2))
+    v = torch.randn(num_tokens, 4, dv, generator=g).to(dtype)
     decay = (-torch.rand(num_tokens, 4, generator=g)).to(dtype)
     beta = torch.rand(num_tokens, 4, generator=g).to(dtype)
     return q, k, v, decay, beta
@@ -176,14 +179,40 @@ def test_gated_delta_rule_matches_reference_and_updates_slots(dtype, l2norm):
     assert not out[int(qsl[-1]):].any() and not out[4:9].any(), "padding tokens and slot -1 rows stay zero"
 
 
+@pytest.mark.parametrize("dtype, l2norm, chunk, dk, dv", [
+    (torch.float32, True, 16, 24, 40),      # Dk padded to 32, Dv over two value blocks (the second one ragged)
+    (torch.float32, False, 16, 24, 40),
+    (torch.bfloat16, True, 16, 24, 40),
+    (torch.float32, True, None, 12, 10),    # the launcher's default chunk
+])
+def test_gated_delta_rule_chunked_rows_match_reference(dtype, l2norm, chunk, dk, dv):
+    size = chunk or TRITON_DELTA_CHUNK
+    # rows shorter than, equal to and past one and two chunks (last chunk masked), the shortest chunked row
+    # (2), decode rows, an empty row and a slot -1 row among them; 3 padding tokens at the end
+    lengths = [2, 1, size - 1, 0, size, 1, size + 1, 3, 2 * size + 3]
+    slots = torch.tensor([5, 0, 2, 6, 7, 3, 1, -1, 4], dtype=torch.int32)       # slot 8: no row
+    qsl = _qsl(lengths)
+    inputs = _delta_inputs(int(qsl[-1]) + 3, dtype, seed=10, dk=dk, dv=dv)
+    pool = torch.randn(9, 4, dk, dv, generator=_gen(11))
+    expected_pool = pool.clone()
+    expected = reference_gated_delta_rule(*inputs, expected_pool, qsl, slots, l2norm)
+    out = _run("gated_delta_rule", *inputs, pool, qsl, slots, l2norm, **({"chunk": chunk} if chunk else {}))
+    _close(out, expected, dtype)
+    torch.testing.assert_close(pool, expected_pool, atol=1e-5, rtol=1e-5)
+    skipped = int(qsl[7]), int(qsl[8])
+    assert not out[int(qsl[-1]):].any() and not out[skipped[0]:skipped[1]].any(), \
+        "padding tokens and slot -1 rows stay zero"
+
+
 def test_gated_delta_rule_prompt_split_over_calls_continues_exactly():
-    inputs = _delta_inputs(7, torch.float32, seed=8)
-    whole_pool = torch.zeros(1, 4, 12, 10)
+    # pieces (chunk 16): a partial chunk, one token (the decode path), a chunk and one, exactly one chunk
+    inputs = _delta_inputs(39, torch.float32, seed=8)
+    whole_pool = torch.randn(1, 4, 12, 10, generator=_gen(9))
+    pool = whole_pool.clone()
     slot = torch.tensor([0], dtype=torch.int32)
-    whole = reference_gated_delta_rule(*inputs, whole_pool, _qsl([7]), slot, True)
-    pool = torch.zeros(1, 4, 12, 10)
-    parts = [_run("gated_delta_rule", *(x[a:b] for x in inputs), pool, _qsl([b - a]), slot, True)
-             for a, b in [(0, 4), (4, 5), (5, 7)]]
+    whole = reference_gated_delta_rule(*inputs, whole_pool, _qsl([39]), slot, True)
+    parts = [_run("gated_delta_rule", *(x[a:b] for x in inputs), pool, _qsl([b - a]), slot, True, chunk=16)
+             for a, b in [(0, 5), (5, 6), (6, 23), (23, 39)]]
     _close(torch.cat(parts), whole, torch.float32)
     torch.testing.assert_close(pool, whole_pool, atol=1e-5, rtol=1e-5)
 
