@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError, EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv.pool import KVPool, KVShape, StatePool, plan_num_blocks, plan_num_state_slots
 from engine.loading.checkpoint import open_checkpoint
 from engine.loading.model_config import ModelConfig, parse_model_config
@@ -124,7 +125,8 @@ def build_engine(cfg: EngineConfig, progress=None) -> Engine:
     state_pool = StatePool(state_shape, num_slots, device) if state_shape else None
     runner = ModelRunner(model, pool, max_rows=cfg.max_concurrency, max_model_len=max_len,
                          budget=PrefillBudget.for_device(device, dtype), state_pool=state_pool,
-                         compile=cfg.compile)
+                         compile=cfg.compile,
+                         graphs=DecodeGraphs if device.type == "cuda" and cfg.cuda_graphs else None)
     scheduler = Scheduler(runner, max_waiting=cfg.max_waiting, prefix_cache=cfg.prefix_cache)
     loop = EngineLoop(scheduler, tokenizer, eos, max_lag_tokens=cfg.client_max_lag_tokens,
                       timeout_s=cfg.client_timeout_s)

@@ -33,10 +33,11 @@ class PrefillBudget:
 class ModelRunner:
     def __init__(self, model, pool, *, max_rows: int, max_model_len: int,
                  budget: PrefillBudget, seed: int | None = None, state_pool=None,
-                 compile: bool = False):
+                 compile: bool = False, graphs=None):
         self.model = model
-        # dynamic: one graph for every batch size and chunk length instead of a recompile each
-        self._compiled = torch.compile(model.forward, dynamic=True) if compile else None
+        self._compiled = self._compile(model) if compile else None
+        # engine.cuda_graphs.DecodeGraphs over the same forward, or None: decode-only steps replay from it
+        self.graphs = graphs(self._compiled or model.forward) if graphs else None
         self.pool = pool
         self.state_pool = state_pool      # engine.kv.pool.StatePool for hybrid models, else None
         self.max_rows = max_rows
@@ -48,6 +49,25 @@ class ModelRunner:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+
+    @staticmethod
+    def _compile(model):
+        fullgraph = model.device.type == "cuda"
+        if fullgraph:   # the Triton kernels become graph nodes inductor fuses around, not opaque calls
+            from ops.triton import expose_to_inductor
+            expose_to_inductor()
+        # dynamic: one graph for every batch size and chunk length instead of a recompile each
+        return torch.compile(model.forward, dynamic=True, fullgraph=fullgraph)
+
+    def _forward(self, batch: ForwardBatch, rows: list[PlanRow]) -> torch.Tensor:
+        external = (self.pool.layers,) if self.state_pool is None else (self.pool.layers, self.state_pool.layers)
+        slots = None if self.state_pool is None else torch.tensor(
+            [-1 if r.state_slot is None else r.state_slot for r in rows], dtype=torch.int32, device=self.device)
+        hidden = None if self.graphs is None else self.graphs.run(batch, *external, state_slots=slots)
+        if hidden is None:      # not a decode-only step (or no graphs): eager / compiled
+            forward = self._compiled or self.model.forward
+            hidden = forward(batch, *external) if slots is None else forward(batch, *external, slots)
+        return hidden
 
     def limits(self, decode_rows: int) -> EngineLimits:
         total = self.budget.mixed_total if decode_rows else self.budget.idle_total
@@ -109,14 +129,7 @@ class ModelRunner:
         if rows:
             try:
                 with torch.inference_mode():
-                    batch = self._batch(rows)
-                    forward = self._compiled or self.model.forward
-                    if self.state_pool is None:
-                        hidden = forward(batch, self.pool.layers)
-                    else:
-                        slots = torch.tensor([-1 if r.state_slot is None else r.state_slot for r in rows],
-                                             dtype=torch.int32, device=self.device)
-                        hidden = forward(batch, self.pool.layers, self.state_pool.layers, slots)
+                    hidden = self._forward(self._batch(rows), rows)
                     sampling_rows = [r for r in rows if r.sample]
                     if sampling_rows:
                         picks = sample(self.model.logits(hidden), sampling_rows, self.generator)

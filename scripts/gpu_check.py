@@ -2,7 +2,8 @@
 
 1. the Triton kernel tests (tests/test_triton_kernels.py) with the kernels on the GPU;
 2. a tiny random Qwen3 model: one mixed prefill+decode step under torch.compile(fullgraph=True) with the
-   kernels exposed to inductor, and decode steps replayed from CUDA graphs, both against eager;
+   kernels exposed to inductor, and decode steps replayed from CUDA graphs, both against eager; then the
+   engine's greedy tokens with the runner's CUDA graphs against the engine without them;
 3. decode throughput of a Qwen3-0.6B-shaped random model at concurrency 1, 16 and 64: tok/s and the
    fraction of the GPU's bandwidth roofline (weights + K/V read per step / measured copy bandwidth).
 """
@@ -107,6 +108,23 @@ def compiled_and_graphed_match_eager(device: torch.device) -> None:
         print(f"CUDA-graph decode steps == eager ({len(graphs.graphs)} graph captured)")
 
 
+def engine_graphs_match_eager() -> None:
+    """The engine end to end: decode steps from the runner's CUDA graphs give the eager engine's tokens."""
+    from engine import LLM, SamplingParams
+    from tiny_models import make_checkpoint
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(make_checkpoint(Path(tmp), "qwen3", tied=True))
+        prompts = [list(range(5, 25)), list(range(40, 47)), list(range(60, 63))]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        kw = dict(device="cuda", dtype="float32", max_model_len=128, kv_pool_tokens=1024)
+        eager = LLM(model=path, cuda_graphs=False, **kw).generate(prompts, params)
+        llm = LLM(model=path, **kw)
+        graphed = llm.generate(prompts, params)
+        if [o.token_ids for o in graphed] != [o.token_ids for o in eager]:
+            sys.exit("gpu-check: the engine's CUDA-graph decode steps gave other tokens than eager steps")
+        print(f"engine: decode steps from {len(llm.engine.runner.graphs.graphs)} CUDA graphs give the eager tokens")
+
+
 def copy_bandwidth(device: torch.device) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -141,7 +159,7 @@ def throughput(device: torch.device, context: int = 512, steps: int = 50) -> Non
             torch.cuda.synchronize()
             step = (time.perf_counter() - start) / steps
             kv_bytes = rows * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-            fraction = (model.weight_bytes() + kv_bytes) / step / bandwidth
+            fraction = (model.weight_bytes + kv_bytes) / step / bandwidth
             print(f"concurrency {rows:3d}: {rows / step:9.0f} tok/s, {step * 1e3:6.2f} ms/step, "
                   f"{fraction:5.1%} of the bandwidth roofline (context {context})")
 
@@ -153,6 +171,7 @@ def main() -> None:
     print(f"gpu-check on {torch.cuda.get_device_name(device)}")
     kernel_tests()
     compiled_and_graphed_match_eager(device)
+    engine_graphs_match_eager()
     throughput(device)
 
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # the defaults as the brief specifies them, written out by hand
 SPEC_ENGINE = dict(model="qwen2.5-coder-1.5b", dtype="auto", device="auto", max_concurrency=8, kv_pool_tokens=0,
-                   block_size=16, max_model_len=0, compile=False, threads=0, max_waiting=256,
+                   block_size=16, max_model_len=0, compile=False, cuda_graphs=True, threads=0, max_waiting=256,
                    client_max_lag_tokens=1024, client_timeout_s=60.0, prefix_cache=True,
                    state_spare_slots=4, quantization="auto", quant_group_size=32)
 SPEC_SERVER = dict(host="127.0.0.1", port=8000, api_key="", max_body_bytes=1048576)

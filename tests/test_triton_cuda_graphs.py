@@ -1,13 +1,16 @@
 """The CUDA-graph decode runner's CPU-checkable half: which graph a batch replays, and that the padding rows
-it adds to reach a bucket change nothing (outputs of the real rows, K/V cache). Capture and replay themselves
-need a GPU and run in `make gpu-check`."""
+it adds to reach a bucket change nothing (outputs of the real rows, K/V cache), and that the runner takes
+decode-only steps from its graphs. Capture and replay themselves need a GPU and run in `make gpu-check`."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import ops  # noqa: F401
+from engine import LLM, SamplingParams
 from engine.cuda_graphs import DecodeGraphs, graph_key, pad_decode_batch
 from engine.models.batch import ForwardBatch
+from tiny_models import make_hybrid_checkpoint
 
 pagedserve = torch.ops.pagedserve
 
@@ -66,3 +69,41 @@ def test_prefill_steps_and_cpu_tensors_run_eagerly():
     assert graph_key(prefill, ()) is None
     assert graph_key(_decode_batch([5] * 300, width=1), ()) is None             # past the largest bucket
     assert DecodeGraphs(_forward).run(batch, ()) is None                        # CPU: never captured
+
+
+class _ReplayByForward:
+    """Stands in for DecodeGraphs off a GPU (the real one answers None there): a decode-only batch is
+    "replayed" by the forward it wraps, anything else is left to the runner. Records each call."""
+
+    def __init__(self, forward):
+        self.forward, self.calls = forward, []
+
+    def run(self, batch, *external, state_slots=None):
+        replay = graph_key(batch, external, state_slots is not None) is not None
+        self.calls.append((replay, len(external), state_slots))
+        if not replay:
+            return None
+        return self.forward(batch, *external) if state_slots is None else self.forward(batch, *external, state_slots)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_runner_takes_decode_steps_from_its_graphs_and_the_rest_eagerly(tiny_checkpoint, tmp_path, arch):
+    path = str(tiny_checkpoint(arch) if arch == "qwen3" else make_hybrid_checkpoint(tmp_path, arch))
+    prompts = [list(range(5, 25)), list(range(40, 47))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = dict(dtype="float32", max_model_len=64, kv_pool_tokens=512)
+    eager = LLM(model=path, **kw).generate(prompts, params)
+    llm = LLM(model=path, **kw)
+    runner = llm.engine.runner
+    assert runner.graphs is None, "CUDA graphs are for GPUs only"
+    model_forward, eager_calls = runner.model.forward, []
+    runner.model.forward = lambda *a: eager_calls.append(1) or model_forward(*a)
+    runner.graphs = graphs = _ReplayByForward(model_forward)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in eager]
+    replayed = sum(r for r, _, _ in graphs.calls)
+    assert replayed >= params.max_tokens - 1, "decode steps did not come from the graphs"
+    assert len(eager_calls) == len(graphs.calls) - replayed, "a step ran both from a graph and eagerly"
+    hybrid = arch == "qwen3_5"
+    assert all(n == (2 if hybrid else 1) and (slots is not None) == hybrid for _, n, slots in graphs.calls), \
+        "the graphs get the K/V layers, and a hybrid model's state layers and slots too"
