@@ -173,9 +173,8 @@ def test_norm_kernels_match_reference_on_many_and_strided_rows(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(1, 40), (7, 37), (33, 256), (130, 1100)])
 def test_dense_linear_matches_float64_on_decode_sized_batches(dtype, n, k):
-    """W row counts off the 3-row tiles and the 48-row chunks (the last row repeated), K off the 8- and
-    16-wide steps and, past 4 rows, cut in 512-value slices with a tail, and 0 to SMALL_ROWS + 1 rows
-    (the last goes to F.linear)."""
+    """W row counts off the 3-row tiles (the last row repeated), K off the 8- and 16-wide steps, and 0 to
+    SMALL_ROWS + 1 rows: partial 4-row blocks of x, and the last goes to F.linear."""
     g = torch.Generator().manual_seed(n + k)
     weight = torch.randn(n, k, generator=g).to(dtype)
     for m in (0, 1, 2, 3, 4, 5, 8, 17, 34, SMALL_ROWS, SMALL_ROWS + 1):

@@ -1,18 +1,17 @@
-// pagedserve_cpu::dense_linear: y = x @ W.T for the few rows of a decode step (W [N, K] fp32 or bf16,
+// pagedserve_cpu::dense_linear: y = x @ W.T for the rows of a decode or mixed step (W [N, K] fp32 or bf16,
 // row-major as checkpoints store it). MKL's sgemm on this AMD CPU took 11.7 ms for 8 rows against a
-// 8960x1536 fp32 weight, 4.7 GB/s of weight traffic, and reached only 55-75 GFLOP/s at 32 rows.
+// 8960x1536 fp32 weight, 4.7 GB/s of weight traffic, and reached only 45-75 GFLOP/s at 32 rows.
 // Tiles of 4 x rows by 3 W rows: twelve accumulators of 8 lanes, with the three W loads and one x load
-// the 16 AVX2 registers are full, and each load feeds three or four FMAs.
-// Threads split W in chunks of 48 rows; each W row is read from memory once (a decode step streams the
-// weights). With more than four x rows K is cut into slices of 512, so that a tile's three W slices
-// (6 KB fp32) stay in L1 while every 4-row block of x passes over them.
+// the 16 AVX2 registers are full, and each load feeds three or four FMAs. Threads split W in groups of
+// 3 rows; the first 4-row block of x streams a group's rows from memory, the later blocks find them in
+// cache. (Cutting K into 256-2,048-value slices so a group's slices stay in L1 was 3-15 % slower at 8
+// and 32 rows than whole rows.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include "bf16.h"
 #include "vec.h"
@@ -28,24 +27,23 @@ using pagedserve_cpu::load8;
 
 constexpr int kRows = 4;              // x rows per tile
 constexpr int kCols = 3;              // W rows per tile
-constexpr int64_t kChunk = 48;        // W rows per unit of parallel work (a multiple of kCols)
-constexpr int64_t kSlice = 512;       // K values per pass when several x blocks share a chunk
+constexpr int64_t kGroups = 16;       // W row groups per unit of parallel work (48 rows)
 constexpr int64_t kPrefetch = 256;    // elements ahead in each W row
 
-// part[r * kChunk + c] += (x row r . W row c) over `len` values (a multiple of 8), as 8-lane partial
-// sums. One or two x rows use two accumulators per dot, so the FMA latency does not bound the loop.
-// noinline: inlined into the driver's loops, GCC's register allocation made the M=8 case 1.5-2.6x
+// out[r][c] = (x row r . W row c) over `len` values (a multiple of 8). One or two x rows use two
+// accumulators per dot, so the FMA latency does not bound the loop.
+// noinline: inlined into the driver's loops, GCC's register allocation made the 8-row case 1.5-2.6x
 // slower (same source built as a separate function: 0.77 against 2.05 ms for 8 x 3072 -> 1024).
-template <int MR, bool kStream, typename T>
-__attribute__((noinline)) void tile(const T* x, int64_t x_stride, const T* const w[kCols], int64_t len, __m256* part, bool first) {
+template <int MR, bool kFromMemory, typename T>
+__attribute__((noinline)) void tile(const T* x, int64_t x_stride, const T* const w[kCols], int64_t len,
+                                    float out[kRows][kCols]) {
   constexpr int kSplit = MR <= 2 ? 2 : 1;
   __m256 acc[MR][kCols][kSplit];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < kCols; ++c)
-      for (int u = 0; u < kSplit; ++u)
-        acc[r][c][u] = first || u ? _mm256_setzero_ps() : part[r * kChunk + c];
+      for (int u = 0; u < kSplit; ++u) acc[r][c][u] = _mm256_setzero_ps();
   for (int64_t i = 0; i < len; i += 8 * kSplit) {
-    if (kStream)   // W comes from memory; later x blocks find it in L1, where prefetches only take load slots
+    if (kFromMemory)   // later x blocks find W in cache, where prefetches would only take load slots
       for (int c = 0; c < kCols; ++c) __builtin_prefetch(w[c] + i + kPrefetch);
     for (int u = 0; u < kSplit && i + 8 * u < len; ++u) {
       const int64_t at = i + 8 * u;
@@ -66,53 +64,44 @@ __attribute__((noinline)) void tile(const T* x, int64_t x_stride, const T* const
     for (int c = 0; c < kCols; ++c) {
       __m256 sum = acc[r][c][0];
       for (int u = 1; u < kSplit; ++u) sum = _mm256_add_ps(sum, acc[r][c][u]);
-      part[r * kChunk + c] = sum;
+      out[r][c] = hsum(sum);
     }
 }
 
-template <bool kStream, typename T>
-void tile_rows(int rows, const T* x, int64_t x_stride, const T* const w[kCols], int64_t len, __m256* part,
-               bool first) {
+template <bool kFromMemory, typename T>
+void tile_rows(int rows, const T* x, int64_t x_stride, const T* const w[kCols], int64_t len,
+               float out[kRows][kCols]) {
   switch (rows) {
-    case 1: return tile<1, kStream>(x, x_stride, w, len, part, first);
-    case 2: return tile<2, kStream>(x, x_stride, w, len, part, first);
-    case 3: return tile<3, kStream>(x, x_stride, w, len, part, first);
-    default: return tile<kRows, kStream>(x, x_stride, w, len, part, first);
+    case 1: return tile<1, kFromMemory>(x, x_stride, w, len, out);
+    case 2: return tile<2, kFromMemory>(x, x_stride, w, len, out);
+    case 3: return tile<3, kFromMemory>(x, x_stride, w, len, out);
+    default: return tile<kRows, kFromMemory>(x, x_stride, w, len, out);
   }
 }
 
 template <typename T>
 void dense_linear_avx2(const T* xp, const T* wp, T* y, int64_t rows, int64_t k, int64_t n) {
-  const int64_t vec_k = k / 8 * 8;      // the vector part; the last k % 8 values are added at the end
-  const int64_t slice = rows > kRows ? kSlice : std::max<int64_t>(vec_k, 8);
-  at::parallel_for(0, (n + kChunk - 1) / kChunk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m256> part(rows * kChunk);
-    for (int64_t chunk = begin; chunk < end; ++chunk) {
-      const int64_t n0 = chunk * kChunk, cols = std::min(kChunk, n - n0);
-      for (int64_t c0 = 0; c0 < cols; c0 += kCols) {
-        const T* w[kCols];   // past the chunk's last row, repeat it (computed, never written)
-        for (int c = 0; c < kCols; ++c) w[c] = wp + (n0 + std::min<int64_t>(c0 + c, cols - 1)) * k;
-        for (int64_t k0 = 0; k0 < vec_k; k0 += slice) {
-          const int64_t len = std::min(slice, vec_k - k0);
-          const T* ws[kCols] = {w[0] + k0, w[1] + k0, w[2] + k0};
-          for (int64_t m = 0; m < rows; m += kRows) {
-            const int block = static_cast<int>(std::min<int64_t>(kRows, rows - m));
-            __m256* at = part.data() + m * kChunk + c0;
-            if (m == 0)     // the first x block pulls W's slice from memory, the others find it in L1
-              tile_rows<true>(block, xp + k0, k, ws, len, at, k0 == 0);
-            else
-              tile_rows<false>(block, xp + m * k + k0, k, ws, len, at, k0 == 0);
+  const int64_t vec_k = k / 8 * 8;      // the vector part; the last k % 8 values are added per output
+  at::parallel_for(0, (n + kCols - 1) / kCols, kGroups, [&](int64_t begin, int64_t end) {
+    float dots[kRows][kCols];
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t n0 = group * kCols, cols = std::min<int64_t>(kCols, n - n0);
+      const T* w[kCols];   // past W's last row, repeat it (computed, never written)
+      for (int c = 0; c < kCols; ++c) w[c] = wp + (n0 + std::min<int64_t>(c, cols - 1)) * k;
+      for (int64_t m = 0; m < rows; m += kRows) {
+        const int block = static_cast<int>(std::min<int64_t>(kRows, rows - m));
+        if (m == 0)
+          tile_rows<true>(block, xp, k, w, vec_k, dots);
+        else
+          tile_rows<false>(block, xp + m * k, k, w, vec_k, dots);
+        for (int r = 0; r < block; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            const T* xr = xp + (m + r) * k;
+            float sum = dots[r][c];
+            for (int64_t i = vec_k; i < k; ++i) sum += to_float(xr[i]) * to_float(w[c][i]);
+            y[(m + r) * n + n0 + c] = from_float<T>(sum);
           }
-        }
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) {
-          const T* xr = xp + r * k;
-          const T* wr = wp + (n0 + c) * k;
-          float sum = vec_k ? hsum(part[r * kChunk + c]) : 0.f;
-          for (int64_t i = vec_k; i < k; ++i) sum += to_float(xr[i]) * to_float(wr[i]);
-          y[r * n + n0 + c] = from_float<T>(sum);
-        }
     }
   });
 }
