@@ -79,6 +79,17 @@ def test_paged_attention_decode_with_strided_caches_and_any_block_size(block):
                                **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5, 9])
+def test_paged_attention_decode_splits_kv_heads_over_work_items(rows):
+    """Few rows: each row's 8 kv heads are cut into shares (on 2 threads: 8, 3, 2 or 1 shares of 1, 3, 4 or
+    8 heads, a last share of 3 heads shorter), and every head must be computed once."""
+    q, kc, vc, qsl, ctx, tables = _paged([(5 + 7 * i, 1) for i in range(rows)], 16, 8, 64, torch.float32,
+                                         seed=rows)
+    got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
+    torch.testing.assert_close(got, reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125),
+                               **TOL[torch.float32])
+
+
 def test_paged_attention_rejects_a_table_entry_outside_the_cache():
     q, kc, vc, qsl, ctx, tables = _paged([(20, 1)], 4, 2, 64, torch.float32)
     tables[0, 1] = kc.shape[0]                           # position 16..19 now point past the cache

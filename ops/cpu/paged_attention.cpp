@@ -74,52 +74,61 @@ struct CacheView {
   int64_t block_stride, slot_stride, head_stride, num_blocks, block_size;
 };
 
-// One (row, kv head): G query heads against the row's first `ctx` cached positions.
+// One row's decode token: the G query heads of each kv head in [head_begin, head_end) against the row's
+// first `ctx` cached positions. Blocks outside, heads inside: a block holds every kv head's keys side by
+// side (4 KB per position at 8 heads x 128 fp32), and walking one head at a time over all blocks read 512 B
+// of every 4 KB, leaving the rest to other threads at other times (8 rows x 1,000 positions, 0.6B heads,
+// old and new builds alternated in four runs: 4.6-6.2 ms -> 3.3-5.3 ms; 1-32 rows x 140: no worse).
 template <typename T>
-void attend(const T* q, int64_t q_head_stride, T* out, int64_t out_head_stride, const T* k_cache,
-            const T* v_cache, const CacheView& cache, const int32_t* table, int64_t ctx, int64_t kv_head,
-            int64_t group, int64_t dim, float scale, std::vector<float>& scratch) {
-  const int64_t bs = cache.block_size;
-  scratch.assign(group * dim * 2 + group * bs + 2 * group, 0.f);
-  float* qf = scratch.data();                 // [G, D] scaled queries
-  float* acc = qf + group * dim;              // [G, D] unnormalised output
-  float* p = acc + group * dim;               // [G, BS] this block's scores, then weights
-  float* run_max = p + group * bs;            // [G]
-  float* run_sum = run_max + group;           // [G]
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(q[g * q_head_stride + d]) * scale;
-    run_max[g] = -std::numeric_limits<float>::infinity();
+void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const CacheView& cache, const int32_t* table,
+            int64_t ctx, int64_t head_begin, int64_t head_end, int64_t group, int64_t dim, float scale,
+            std::vector<float>& scratch) {
+  const int64_t bs = cache.block_size, heads = (head_end - head_begin) * group;   // query heads here
+  scratch.assign(heads * dim * 2 + group * bs + 2 * heads, 0.f);
+  float* qf = scratch.data();                 // [heads, D] scaled queries
+  float* acc = qf + heads * dim;              // [heads, D] unnormalised outputs
+  float* p = acc + heads * dim;               // [G, BS] one kv head's scores in this block, then weights
+  float* run_max = p + group * bs;            // [heads]
+  float* run_sum = run_max + heads;           // [heads]
+  q += head_begin * group * dim;
+  out += head_begin * group * dim;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] = to_float(q[h * dim + d]) * scale;
+    run_max[h] = -std::numeric_limits<float>::infinity();
   }
   for (int64_t start = 0; start < ctx; start += bs) {
     const int64_t block = table[start / bs];
     TORCH_CHECK(block >= 0 && block < cache.num_blocks, "pagedserve::paged_attention: block_tables entry ",
                 block, " for position ", start, " is outside the cache's ", cache.num_blocks, " blocks");
     const int64_t len = std::min(bs, ctx - start);
-    const int64_t base = block * cache.block_stride + kv_head * cache.head_stride;
-    for (int64_t g = 0; g < group; ++g)
-      block_scores(qf + g * dim, k_cache + base, cache.slot_stride, len, dim, p + g * bs);
-    for (int64_t g = 0; g < group; ++g) {
-      float* pg = p + g * bs;
-      float m = run_max[g];
-      for (int64_t j = 0; j < len; ++j) m = std::max(m, pg[j]);
-      const float correction = std::exp(run_max[g] - m);   // exp(-inf) = 0 on the first block
-      float sum = 0.f;
-      for (int64_t j = 0; j < len; ++j) {
-        pg[j] = std::exp(pg[j] - m);
-        sum += pg[j];
-      }
-      run_sum[g] = run_sum[g] * correction + sum;
-      run_max[g] = m;
-      float* ag = acc + g * dim;
+    for (int64_t kv = head_begin; kv < head_end; ++kv) {
+      const int64_t base = block * cache.block_stride + kv * cache.head_stride, first = (kv - head_begin) * group;
+      for (int64_t g = 0; g < group; ++g)
+        block_scores(qf + (first + g) * dim, k_cache + base, cache.slot_stride, len, dim, p + g * bs);
+      for (int64_t g = 0; g < group; ++g) {
+        float* pg = p + g * bs;
+        const int64_t h = first + g;
+        float m = run_max[h];
+        for (int64_t j = 0; j < len; ++j) m = std::max(m, pg[j]);
+        const float correction = std::exp(run_max[h] - m);   // exp(-inf) = 0 on the first block
+        float sum = 0.f;
+        for (int64_t j = 0; j < len; ++j) {
+          pg[j] = std::exp(pg[j] - m);
+          sum += pg[j];
+        }
+        run_sum[h] = run_sum[h] * correction + sum;
+        run_max[h] = m;
+        float* ah = acc + h * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) ag[d] *= correction;
+        for (int64_t d = 0; d < dim; ++d) ah[d] *= correction;
+      }
+      for (int64_t g = 0; g < group; ++g)
+        block_values(p + g * bs, v_cache + base, cache.slot_stride, len, dim, acc + (first + g) * dim);
     }
-    for (int64_t g = 0; g < group; ++g)
-      block_values(p + g * bs, v_cache + base, cache.slot_stride, len, dim, acc + g * dim);
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = run_sum[g] > 0.f ? 1.f / run_sum[g] : 0.f;
-    for (int64_t d = 0; d < dim; ++d) out[g * out_head_stride + d] = from_float<T>(acc[g * dim + d] * inv);
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = run_sum[h] > 0.f ? 1.f / run_sum[h] : 0.f;
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = from_float<T>(acc[h * dim + d] * inv);
   }
 }
 
@@ -136,6 +145,7 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
   const auto tables = block_tables.contiguous();
   auto out = at::zeros_like(q);
   const int64_t rows = ctx.size(0), kv_heads = k_cache.size(2), dim = q.size(2);
+  if (rows == 0) return out;
   const int64_t group = q.size(1) / kv_heads, width = tables.size(1);
   const CacheView cache{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.size(0),
                         k_cache.size(1)};
@@ -147,13 +157,18 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
     auto* op = static_cast<scalar_t*>(out.data_ptr());
     const auto* kp = static_cast<const scalar_t*>(k_cache.data_ptr());
     const auto* vp = static_cast<const scalar_t*>(v_cache.data_ptr());
-    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // Each work item is a row's kv heads, or a share of them when there are too few rows to keep every
+    // thread busy (one decode row: one head per item, as many items as kv heads).
+    const int64_t splits = std::clamp<int64_t>((4 * at::get_num_threads() + rows - 1) / rows, 1, kv_heads);
+    const int64_t per_item = (kv_heads + splits - 1) / splits;
+    at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t row = item / kv_heads, head = item % kv_heads;
-        if (starts[row + 1] - starts[row] != 1) continue;
-        const int64_t first = (static_cast<int64_t>(starts[row]) * q.size(1) + head * group) * dim;
-        attend(qp + first, dim, op + first, dim, kp, vp, cache, table + row * width, lens[row], head, group,
+        const int64_t row = item / splits, head_begin = item % splits * per_item;
+        const int64_t head_end = std::min(kv_heads, head_begin + per_item);
+        if (starts[row + 1] - starts[row] != 1 || head_begin >= head_end) continue;
+        const int64_t token = static_cast<int64_t>(starts[row]) * q.size(1) * dim;
+        attend(qp + token, op + token, kp, vp, cache, table + row * width, lens[row], head_begin, head_end, group,
                dim, static_cast<float>(scale), scratch);
       }
     });
