@@ -3,9 +3,11 @@
 // 8960x1536 fp32 weight, 4.7 GB/s of weight traffic, and reached only 45-75 GFLOP/s at 32 rows.
 // Tiles of 4 x rows by 3 W rows: twelve accumulators of 8 lanes, with the three W loads and one x load
 // the 16 AVX2 registers are full, and each load feeds three or four FMAs. Threads split W in groups of
-// 3 rows; the first 4-row block of x streams a group's rows from memory, the later blocks find them in
-// cache. (Cutting K into 256-2,048-value slices so a group's slices stay in L1 was 3-15 % slower at 8
-// and 32 rows than whole rows.)
+// 3 rows; the first 4-row block of x streams a group's rows from memory (prefetching ahead in them), the
+// later blocks find them in cache, and the second block prefetches the next group's rows, so that memory
+// stays busy while it computes (0.6B layer shapes + head, same run, both orders: 8 rows 34.5-40.1 ->
+// 29.7-35.0 ms, 1 row 24.2-27.6 -> 22.0-25.7, 16 and 32 rows unchanged). (Cutting K into 256-2,048-value
+// slices so a group's slices stay in L1 was 3-15 % slower at 8 and 32 rows than whole rows.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,21 +34,22 @@ constexpr int64_t kGroups = 16;       // W row groups per unit of parallel work 
 // shapes and the head, same run: 1 row 24-30 -> 24-25 ms, 8 rows 36-39 -> 31 ms.
 constexpr int64_t kPrefetch = 2048;
 
-// out[r][c] = (x row r . W row c) over `len` values (a multiple of 8). One or two x rows use two
-// accumulators per dot, so the FMA latency does not bound the loop.
+// out[r][c] = (x row r . W row c) over `len` values (a multiple of 8), prefetching each cache line of the
+// rows `pf` at the same offsets when kPrefetchRows. One or two x rows use two accumulators per dot, so the
+// FMA latency does not bound the loop.
 // noinline: inlined into the driver's loops, GCC's register allocation made the 8-row case 1.5-2.6x
 // slower (same source built as a separate function: 0.77 against 2.05 ms for 8 x 3072 -> 1024).
-template <int MR, bool kFromMemory, typename T>
-__attribute__((noinline)) void tile(const T* x, int64_t x_stride, const T* const w[kCols], int64_t len,
-                                    float out[kRows][kCols]) {
+template <int MR, bool kPrefetchRows, typename T>
+__attribute__((noinline)) void tile(const T* x, int64_t x_stride, const T* const w[kCols], const T* const pf[kCols],
+                                    int64_t len, float out[kRows][kCols]) {
   constexpr int kSplit = MR <= 2 ? 2 : 1;
   __m256 acc[MR][kCols][kSplit];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < kCols; ++c)
       for (int u = 0; u < kSplit; ++u) acc[r][c][u] = _mm256_setzero_ps();
   for (int64_t i = 0; i < len; i += 8 * kSplit) {
-    if (kFromMemory)   // later x blocks find W in cache, where prefetches would only take load slots
-      for (int c = 0; c < kCols; ++c) __builtin_prefetch(w[c] + i + kPrefetch);
+    if (kPrefetchRows && i % (64 / sizeof(T)) == 0)
+      for (int c = 0; c < kCols; ++c) __builtin_prefetch(pf[c] + i);
     for (int u = 0; u < kSplit && i + 8 * u < len; ++u) {
       const int64_t at = i + 8 * u;
       __m256 a = load8(w[0] + at), b = load8(w[1] + at), d = load8(w[2] + at);
@@ -70,14 +73,14 @@ __attribute__((noinline)) void tile(const T* x, int64_t x_stride, const T* const
     }
 }
 
-template <bool kFromMemory, typename T>
-void tile_rows(int rows, const T* x, int64_t x_stride, const T* const w[kCols], int64_t len,
-               float out[kRows][kCols]) {
+template <bool kPrefetchRows, typename T>
+void tile_rows(int rows, const T* x, int64_t x_stride, const T* const w[kCols], const T* const pf[kCols],
+               int64_t len, float out[kRows][kCols]) {
   switch (rows) {
-    case 1: return tile<1, kFromMemory>(x, x_stride, w, len, out);
-    case 2: return tile<2, kFromMemory>(x, x_stride, w, len, out);
-    case 3: return tile<3, kFromMemory>(x, x_stride, w, len, out);
-    default: return tile<kRows, kFromMemory>(x, x_stride, w, len, out);
+    case 1: return tile<1, kPrefetchRows>(x, x_stride, w, pf, len, out);
+    case 2: return tile<2, kPrefetchRows>(x, x_stride, w, pf, len, out);
+    case 3: return tile<3, kPrefetchRows>(x, x_stride, w, pf, len, out);
+    default: return tile<kRows, kPrefetchRows>(x, x_stride, w, pf, len, out);
   }
 }
 
@@ -92,10 +95,16 @@ void dense_linear_avx2(const T* xp, const T* wp, T* y, int64_t rows, int64_t k, 
       for (int c = 0; c < kCols; ++c) w[c] = wp + (n0 + std::min<int64_t>(c, cols - 1)) * k;
       for (int64_t m = 0; m < rows; m += kRows) {
         const int block = static_cast<int>(std::min<int64_t>(kRows, rows - m));
-        if (m == 0)
-          tile_rows<true>(block, xp, k, w, vec_k, dots);
-        else
-          tile_rows<false>(block, xp + m * k, k, w, vec_k, dots);
+        if (m == 0) {
+          const T* ahead[kCols] = {w[0] + kPrefetch, w[1] + kPrefetch, w[2] + kPrefetch};
+          tile_rows<true>(block, xp, k, w, ahead, vec_k, dots);
+        } else if (m == kRows) {
+          const T* next[kCols];
+          for (int c = 0; c < kCols; ++c) next[c] = wp + std::min(n - 1, n0 + kCols + c) * k;
+          tile_rows<true>(block, xp + m * k, k, w, next, vec_k, dots);
+        } else {
+          tile_rows<false>(block, xp + m * k, k, w, w, vec_k, dots);
+        }
         for (int r = 0; r < block; ++r)
           for (int64_t c = 0; c < cols; ++c) {
             const T* xr = xp + (m + r) * k;
