@@ -123,10 +123,13 @@ def build_engine(cfg: EngineConfig, progress=None) -> Engine:
                              state_bytes=state_shape.bytes_per_slot * num_slots if state_shape else 0)
     pool = KVPool(shape, blocks, device)
     state_pool = StatePool(state_shape, num_slots, device) if state_shape else None
+    # MoE layers pick their experts on the host (ops/moe.py's torch body reads the counts), so their steps
+    # can be neither captured in a CUDA graph nor traced as one graph
+    whole_graph = device.type == "cuda" and not model_cfg.num_experts
     runner = ModelRunner(model, pool, max_rows=cfg.max_concurrency, max_model_len=max_len,
                          budget=PrefillBudget.for_device(device, dtype), state_pool=state_pool,
-                         compile=cfg.compile,
-                         graphs=DecodeGraphs if device.type == "cuda" and cfg.cuda_graphs else None)
+                         compile=cfg.compile, fullgraph=whole_graph,
+                         graphs=DecodeGraphs if whole_graph and cfg.cuda_graphs else None)
     scheduler = Scheduler(runner, max_waiting=cfg.max_waiting, prefix_cache=cfg.prefix_cache)
     loop = EngineLoop(scheduler, tokenizer, eos, max_lag_tokens=cfg.client_max_lag_tokens,
                       timeout_s=cfg.client_timeout_s)

@@ -33,9 +33,9 @@ class PrefillBudget:
 class ModelRunner:
     def __init__(self, model, pool, *, max_rows: int, max_model_len: int,
                  budget: PrefillBudget, seed: int | None = None, state_pool=None,
-                 compile: bool = False, graphs=None):
+                 compile: bool = False, fullgraph: bool = False, graphs=None):
         self.model = model
-        self._compiled = self._compile(model) if compile else None
+        self._compiled = self._compile(model, fullgraph) if compile else None
         # engine.cuda_graphs.DecodeGraphs over the same forward, or None: decode-only steps replay from it
         self.graphs = graphs(self._compiled or model.forward) if graphs else None
         self.pool = pool
@@ -51,9 +51,8 @@ class ModelRunner:
             self.generator.manual_seed(seed)
 
     @staticmethod
-    def _compile(model):
-        fullgraph = model.device.type == "cuda"
-        if fullgraph:   # the Triton kernels become graph nodes inductor fuses around, not opaque calls
+    def _compile(model, fullgraph: bool):
+        if model.device.type == "cuda":   # the Triton kernels become graph nodes inductor fuses around
             from ops.triton import expose_to_inductor
             expose_to_inductor()
         # dynamic: one graph for every batch size and chunk length instead of a recompile each
