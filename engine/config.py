@@ -79,7 +79,8 @@ class EngineConfig:
                               "longest prompt + output in tokens; 0 = the model's own limit")
     compile: bool = _key(False, "true or false", lambda v: True, "run the model under torch.compile")
     cuda_graphs: bool = _key(True, "true or false", lambda v: True,
-                             "on GPUs, replay decode-only steps from CUDA graphs (one per batch-size bucket)")
+                             "on GPUs, replay decode-only steps from CUDA graphs (one per batch-size bucket; "
+                             "not for MoE models)")
     prefix_cache: bool = _key(True, "true or false", lambda v: True, "reuse K/V blocks of prompts seen before")
     state_spare_slots: int = _key(4, "an integer >= 0", lambda v: v >= 0,
                                   "extra recurrent-state slots that hold prefix-cache checkpoints (hybrid models)")
