@@ -2,8 +2,11 @@
 their own threads, token arrival times, and the summary both this generator and the HTTP one
 (bench/http_loadgen.py) report.
 
-It drives `EngineLoop` (running on its thread) through the client API only: submit, iterate the
-handle, cancel; so what it times is what a server's client would see.
+It drives `EngineLoop` through the client API only: submit, iterate the handle, cancel; so what it
+times is what a server's client would see. The calling thread steps the engine (`EngineLoop.run`)
+while a helper thread submits and the streams are read on threads of their own: a bench process has
+run torch ops on its main thread, and a loop thread beside that thread's OpenMP pool runs slower
+than the same loop in a server process (see `EngineLoop.run`).
 """
 from __future__ import annotations
 
@@ -179,8 +182,34 @@ class Stream:
         return self.trace
 
 
+def stepping(loop, work, *args):
+    """`work(*args)` on a helper thread while this thread steps `loop` (not started), until it ends."""
+    done, out = threading.Event(), {}
+
+    def call() -> None:
+        try:
+            out["value"] = work(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the stepping thread below
+            out["error"] = exc
+        finally:
+            done.set()
+            loop.wake()
+
+    helper = threading.Thread(target=call, name="loadgen", daemon=True)
+    helper.start()
+    loop.run(until=done)
+    helper.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def run_workload(loop, workload: Workload, timeout_s: float = 1800) -> LoadResult:
     """Submit each prompt at its scheduled time and read all streams to the end."""
+    return stepping(loop, _send_and_read, loop, workload, timeout_s)
+
+
+def _send_and_read(loop, workload: Workload, timeout_s: float) -> LoadResult:
     streams, params = [], workload.params()
     for prompt, at in workload.starts(time.perf_counter()):
         time.sleep(max(0.0, at - time.perf_counter()))
@@ -205,6 +234,11 @@ def itl_while_prompt_arrives(loop, stream_prompts: list[list[int]], long_prompt:
                              idle_tokens: int, timeout_s: float = 1800) -> LatencyUnderPrefill:
     """Run the streams until each produced `idle_tokens` more tokens after all had started, then
     submit `long_prompt` (one new token) and record the streams' latencies until it answered."""
+    return stepping(loop, _itl_while_prompt_arrives, loop, stream_prompts, long_prompt, idle_tokens,
+                    timeout_s)
+
+
+def _itl_while_prompt_arrives(loop, stream_prompts, long_prompt, idle_tokens, timeout_s):
     streams = [Stream(loop, p, greedy(1 << 30)) for p in stream_prompts]   # clamped to the context
     deadline = time.perf_counter() + timeout_s
     try:

@@ -1,6 +1,7 @@
 """What the HTTP server costs: the same workloads through `pagedserve serve` on loopback (streamed
-/v1/completions, read by bench/http_loadgen.py) and in process (EngineLoop through bench/loadgen.py),
-with the same engine settings, prompts, output length and arrival schedule.
+/v1/completions, read by bench/http_loadgen.py) and in process (EngineLoop stepped by this thread
+through bench/loadgen.py), with the same engine settings, prompts, output length and arrival
+schedule.
 
 One engine at a time: every HTTP load runs first, the server is stopped, then the in-process engine
 is built for the in-process loads (class-scoped fixtures end with their class). The HTTP client runs
@@ -92,7 +93,6 @@ def server_url(bench_checkpoint, bench_dtype, bench_new_tokens, tmp_path_factory
 def engine_loop(bench_checkpoint, bench_dtype, bench_new_tokens):
     llm = LLM(**engine_settings(bench_checkpoint, bench_dtype, bench_new_tokens))
     loop = llm.engine.loop
-    loop.start()
     run_workload(loop, WARM_UP)                 # first-call costs stay out
     yield loop
     llm.close()

@@ -1,4 +1,4 @@
-"""Serving load through the streaming API with the engine loop on its own thread: aggregate output
+"""Serving load through the streaming API (streams read on their own threads): aggregate output
 tok/s at several concurrencies next to a transformers static batch of the same size, and the
 inter-token latency of running streams while a long prompt is prefilled."""
 from __future__ import annotations
@@ -25,10 +25,8 @@ KV_POOL_TOKENS = 8192
 def serving_loop(bench_checkpoint, bench_dtype):
     llm = LLM(model=str(bench_checkpoint), dtype=bench_dtype, max_concurrency=max(CONCURRENCY),
               max_model_len=MAX_MODEL_LEN, kv_pool_tokens=KV_POOL_TOKENS, threads=0)
-    loop = llm.engine.loop
-    loop.start()
-    loop.submit(random_prompts(1, 16, seed=99)[0], greedy(2)).result()     # first-call costs
-    yield loop
+    llm.generate(random_prompts(1, 16, seed=99), greedy(2))         # first-call costs
+    yield llm.engine.loop
     llm.close()
     del llm
     gc.collect()

@@ -112,7 +112,7 @@ class RequestHandle:
                 while not self._pending:
                     self._cond.wait()
                 delta = self._take()
-            self._loop._wake()
+            self._loop.wake()
             yield delta
             if delta.finish_reason is not None:
                 return
@@ -129,7 +129,7 @@ class RequestHandle:
             if delta is None:
                 await event.wait()
                 continue
-            self._loop._wake()
+            self._loop.wake()
             yield delta
             if delta.finish_reason is not None:
                 return
@@ -154,7 +154,8 @@ class _Live:
 
 
 class EngineLoop:
-    """Owns the scheduler. `start()` runs it on a thread; `run_until_idle()` runs it inline."""
+    """Owns the scheduler. `start()` runs it on a thread of its own, `run(until)` in the calling
+    thread while others submit and read; `run_until_idle()` runs what is queued inline."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: tuple[int, ...], *,
                  max_lag_tokens: int = 1024, timeout_s: float = 60.0):
@@ -182,14 +183,15 @@ class EngineLoop:
         request = Request(id=rid, prompt_token_ids=tuple(prompt_ids), params=params,
                           eos_token_ids=self.eos_token_ids, client=client)
         self._commands.put(("submit", request, handle))
-        self._wake()
+        self.wake()
         return handle
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(("cancel", request_id, None))
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Make an idle `run` look at its commands, readers and `until` again now."""
         self._wakeup.set()
 
     # -- loop side
@@ -279,24 +281,31 @@ class EngineLoop:
 
     def start(self) -> None:
         self._stopping.clear()
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, args=(self._stopping,),
+                                        name="pagedserve-engine", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        while not self._stopping.is_set():
+    def run(self, until: threading.Event) -> None:
+        """Step in the calling thread until `until` is set (then `wake()`); `start()` runs this on a
+        thread of its own. Whichever thread steps should be the only one in the process that has
+        run torch ops on several threads: libgomp keeps an OpenMP pool per such thread, and while
+        two pools exist on a 2-core CPU it barely spins between parallel regions (it manages more
+        threads than there are CPUs), which made every decode step ~25 % slower here (0.6B, fp32:
+        ~95 ms a step alone, 120-130 ms with a pool left on the main thread)."""
+        while not until.is_set():
             if not self._live and not self._commands.empty():
-                self._gather_burst()
+                self._gather_burst(until)
             if not self.run_once():
                 # idle: sleep until a command arrives or a reader drains (paused requests resume)
                 self._wakeup.wait(timeout=0.05 if self._live else 1.0)
                 self._wakeup.clear()
         self._drain_commands()
 
-    def _gather_burst(self) -> None:
+    def _gather_burst(self, until: threading.Event) -> None:
         """Idle loop, commands waiting: wait for the rest of a burst (see ADMIT_WINDOW_S)."""
         woke = time.monotonic()
         quiet_until, queued = woke + ADMIT_WINDOW_S, self._commands.qsize()
-        while not self._stopping.is_set():
+        while not until.is_set():
             remaining = min(quiet_until, woke + ADMIT_WINDOW_CAP_S) - time.monotonic()
             if remaining <= 0:
                 return
@@ -314,6 +323,6 @@ class EngineLoop:
             self._drain_commands()
             return
         self._stopping.set()
-        self._wake()
+        self.wake()
         self._thread.join(timeout=30)
         self._thread = None

@@ -8,7 +8,9 @@ import time
 import pytest
 import torch
 
+import engine.builder as builder
 from engine import LLM, SamplingParams
+from engine.config import ConfigError
 from engine.request import FinishReason
 from engine.scheduler import RequestRejected
 
@@ -174,6 +176,48 @@ def test_streaming_equals_non_streaming(model_path):
         loop.stop()
     assert "".join(d.text for d in deltas) == whole.text
     assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+
+
+@pytest.mark.timeout(120)     # a `run` that ignores `until` never returns
+def test_run_steps_in_the_calling_thread_until_told_to_stop(model_path):
+    """EngineLoop.run: others submit and read while this thread steps; it returns once `until` is set."""
+    llm = _llm(model_path)
+    prompt = _prompts(1, seed=4)[0]
+    whole = llm.generate([prompt], GREEDY)[0]
+    loop, stepped_on, streamed = llm.engine.loop, set(), []
+    execute = llm.engine.runner.execute
+
+    def recording(plan):
+        stepped_on.add(threading.current_thread())
+        return execute(plan)
+    llm.engine.runner.execute = recording
+    until = threading.Event()
+
+    def client() -> None:
+        streamed.extend(t for d in loop.submit(prompt, GREEDY) for t in d.token_ids)
+        until.set()
+        loop.wake()
+    threading.Thread(target=client, daemon=True).start()
+    loop.run(until)
+    assert streamed == whole.token_ids
+    assert stepped_on == {threading.current_thread()}
+
+
+def test_engine_loads_on_a_thread_that_has_ended_and_its_errors_reach_the_caller(model_path,
+                                                                                 monkeypatch):
+    """No OpenMP pool from the loading work stays on the caller's thread (see build_engine)."""
+    loaded_on = []
+    real = builder._build
+
+    def recording(cfg, progress):
+        loaded_on.append(threading.current_thread())
+        return real(cfg, progress)
+    monkeypatch.setattr(builder, "_build", recording)
+    llm = _llm(model_path)
+    assert loaded_on[0] is not threading.current_thread() and not loaded_on[0].is_alive()
+    assert len(llm.generate(_prompts(1), GREEDY)[0].token_ids) == 10
+    with pytest.raises(ConfigError, match='dtype = "float16" has no fast path on CPUs'):
+        _llm(model_path, device="cpu", dtype="float16")
 
 
 def test_step_exception_fails_live_requests_and_serving_continues(model_path):
