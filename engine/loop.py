@@ -287,11 +287,11 @@ class EngineLoop:
 
     def run(self, until: threading.Event) -> None:
         """Step in the calling thread until `until` is set (then `wake()`); `start()` runs this on a
-        thread of its own. Whichever thread steps should be the only one in the process that has
-        run torch ops on several threads: libgomp keeps an OpenMP pool per such thread, and while
-        two pools exist on a 2-core CPU it barely spins between parallel regions (it manages more
-        threads than there are CPUs), which made every decode step ~25 % slower here (0.6B, fp32:
-        ~95 ms a step alone, 120-130 ms with a pool left on the main thread)."""
+        thread of its own. Whichever thread steps should be the only live thread in the process
+        that has run torch ops on several cores: each such thread keeps an OpenMP pool, and with a
+        second pool alive every decode step was ~25 % slower on a 2-core CPU (0.6B, fp32: ~95 ms a
+        step alone, 120-130 ms with a pool left on the main thread; likely libgomp's shorter spin
+        once it manages more threads than there are CPUs)."""
         while not until.is_set():
             if not self._live and not self._commands.empty():
                 self._gather_burst(until)
