@@ -2,7 +2,8 @@
 // x is quantized to int8 per (row, 32-block) once per call; each (row, group) dot product is exact in int32
 // (AVX2 maddubs/madd), then scaled in fp32: acc += (scale * dx) * isum + min * (dx * sum xq).
 // Two-level scales (K-quants) store uint8 sub-scales and -mins with an fp32 factor per 8 groups; a group's
-// scale is their fp32 product, multiplied out per tile before the same tile kernels run.
+// scale is their fp32 product. A call whose x rows fit one row block (decode) multiplies it out per group
+// inside the tile kernel; larger calls multiply a tile's factors out once into fp32 for all its row blocks.
 // Threads split the weight's 8-row tiles; within a thread a chunk of x rows stays in L2 while its tiles
 // stream by, and each tile-group of weights is unpacked once for up to kRowBlock x rows.
 #include <ATen/ATen.h>
@@ -108,11 +109,19 @@ struct TileArgs {
   const float* dx;        // [rows, G]
   const float* dx_sum;
   int64_t k, groups;
+  // two-level factors as stored, for the kernel to multiply out per group (then scales and mins are unused)
+  const uint8_t* subs = nullptr;
+  const uint8_t* sub_mins = nullptr;
+  const float* supers = nullptr;   // the tile's [G/8, count, 8]
+  int64_t super_count = 1;
 };
 
 // A tile's two-level factors multiplied out to [G, 8] fp32 (which = 0: scales, 1: mins), once per tile
-// rather than once per x row block: a batch's steps are compute-bound, and this keeps the tile kernels
-// identical for both forms. supers: the tile's [G/8, count, 8].
+// rather than once per x row block: a batch's steps are compute-bound. At one row block this is pure
+// extra work: group factors are multiplied out in the kernel then, a 17920x1536 int4 layer at M=1 took
+// 0.63 instead of 0.96 ms, and a decode step of the default Q4_K_M model 43.5-47.0 instead of 46.5-51.7 ms
+// (p10 of 14 alternations, two runs); at 8 and 64 rows the kernel's form was as fast or up to 10 % slower.
+// supers: the tile's [G/8, count, 8].
 void expand_factors(const uint8_t* subs, const float* supers, int which, int64_t count, int64_t groups, float* out) {
   for (int64_t b = 0; b < groups / kSuper; ++b) {
     const float* super = supers + (b * count + which) * kTile;
@@ -131,6 +140,23 @@ void expand_factors(const uint8_t* subs, const float* supers, int which, int64_t
 
 #ifdef __AVX2__
 
+inline __m256 sub_times_super(const uint8_t* sub, const float* super) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub));
+  return _mm256_mul_ps(_mm256_loadu_ps(super), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+}
+
+// group g's scale and min for the tile's 8 rows
+inline void group_factors(const TileArgs& a, int64_t g, bool has_mins, __m256& scale, __m256& min) {
+  if (a.subs != nullptr) {
+    const float* super = a.supers + (g / kSuper) * a.super_count * kTile;
+    scale = sub_times_super(a.subs + g * kTile, super);
+    min = has_mins ? sub_times_super(a.sub_mins + g * kTile, super + kTile) : _mm256_setzero_ps();
+  } else {
+    scale = _mm256_loadu_ps(a.scales + g * kTile);
+    min = has_mins ? _mm256_loadu_ps(a.mins + g * kTile) : _mm256_setzero_ps();
+  }
+}
+
 inline __m256 group_sum_to_acc(__m256i isum, __m256 scale, __m256 min, bool has_mins, float dx, float dx_sum,
                                __m256 acc) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc);
@@ -143,7 +169,7 @@ template <int MR>
 void tile_int4(const TileArgs& a, float* out) {
   const auto* w = static_cast<const uint8_t*>(a.weight);
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const bool has_mins = a.mins != nullptr;
+  const bool has_mins = a.mins != nullptr || a.sub_mins != nullptr;
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
@@ -165,8 +191,8 @@ void tile_int4(const TileArgs& a, float* out) {
         pairs[r][p] = _mm256_madd_epi16(s16, ones);
       }
     }
-    const __m256 scale = _mm256_loadu_ps(a.scales + g * kTile);
-    const __m256 min = has_mins ? _mm256_loadu_ps(a.mins + g * kTile) : _mm256_setzero_ps();
+    __m256 scale, min;
+    group_factors(a, g, has_mins, scale, min);
     for (int r = 0; r < MR; ++r) {
       const __m256i isum = _mm256_hadd_epi32(_mm256_hadd_epi32(pairs[r][0], pairs[r][1]),
                                              _mm256_hadd_epi32(pairs[r][2], pairs[r][3]));
@@ -183,7 +209,7 @@ template <int MR>
 void tile_int8(const TileArgs& a, float* out) {
   const auto* w = static_cast<const int8_t*>(a.weight);
   const __m256i ones = _mm256_set1_epi16(1);
-  const bool has_mins = a.mins != nullptr;
+  const bool has_mins = a.mins != nullptr || a.sub_mins != nullptr;
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
@@ -198,8 +224,8 @@ void tile_int8(const TileArgs& a, float* out) {
       for (int r = 0; r < MR; ++r)
         rows[r][j] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[r], v)), ones);
     }
-    const __m256 scale = _mm256_loadu_ps(a.scales + g * kTile);
-    const __m256 min = has_mins ? _mm256_loadu_ps(a.mins + g * kTile) : _mm256_setzero_ps();
+    __m256 scale, min;
+    group_factors(a, g, has_mins, scale, min);
     for (int r = 0; r < MR; ++r) {
       const __m256i* s = rows[r];
       const __m256i r03 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
@@ -222,8 +248,16 @@ inline int32_t weight_q(const void* weight, int bits, int64_t g, int row, int i)
   return i < 16 ? (byte & 0x0F) : (byte >> 4);
 }
 
+// which = 0: scale, 1: min of (group g, tile row `row`)
+inline float scalar_factor(const TileArgs& a, int64_t g, int row, int which) {
+  if (a.subs == nullptr) return (which ? a.mins : a.scales)[g * kTile + row];
+  const float* super = a.supers + ((g / kSuper) * a.super_count + which) * kTile;
+  return super[row] * static_cast<float>((which ? a.sub_mins : a.subs)[g * kTile + row]);
+}
+
 template <int MR>
 void tile_scalar(const TileArgs& a, int bits, float* out) {
+  const bool has_mins = a.mins != nullptr || a.sub_mins != nullptr;
   std::fill(out, out + MR * kTile, 0.f);
   for (int64_t g = 0; g < a.groups; ++g)
     for (int r = 0; r < MR; ++r)
@@ -232,8 +266,8 @@ void tile_scalar(const TileArgs& a, int bits, float* out) {
         int32_t isum = 0;
         for (int i = 0; i < kGroup; ++i) isum += weight_q(a.weight, bits, g, row, i) * xr[i];
         const int64_t at = r * a.groups + g;
-        out[r * kTile + row] += a.scales[g * kTile + row] * a.dx[at] * static_cast<float>(isum);
-        if (a.mins) out[r * kTile + row] += a.mins[g * kTile + row] * a.dx_sum[at];
+        out[r * kTile + row] += scalar_factor(a, g, row, 0) * a.dx[at] * static_cast<float>(isum);
+        if (has_mins) out[r * kTile + row] += scalar_factor(a, g, row, 1) * a.dx_sum[at];
       }
 }
 
@@ -301,29 +335,38 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     const float* flat_mins = !two_level && has_mins ? mins->data_ptr<float>() : nullptr;
     const int64_t tile_factors = groups * kTile;
     const int64_t chunk = std::max<int64_t>(kRowBlock, kChunkBytes / k / kRowBlock * kRowBlock);
+    const bool in_kernel = two_level && rows <= kRowBlock;   // see expand_factors
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       float acc[kRowBlock * kTile];
-      std::vector<float> expanded(two_level ? tile_factors * super_count : 0);
+      std::vector<float> expanded(two_level && !in_kernel ? tile_factors * super_count : 0);
       for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
         const int64_t m_end = std::min(rows, m0 + chunk);
         for (int64_t t = begin; t < end; ++t) {
           const int64_t n0 = t * kTile, valid = std::min(kTile, out_features - n0);
-          const float* tile_scales = expanded.data();
-          const float* tile_mins = has_mins ? expanded.data() + tile_factors : nullptr;
-          if (two_level) {
-            const float* tile_supers = sup + t * (groups / kSuper) * super_count * kTile;
+          TileArgs args{w + t * groups * group_bytes, nullptr, nullptr, nullptr, nullptr, nullptr, k, groups};
+          const float* tile_supers = two_level ? sup + t * (groups / kSuper) * super_count * kTile : nullptr;
+          if (in_kernel) {
+            args.subs = subs + t * tile_factors;
+            args.sub_mins = has_mins ? sub_mins + t * tile_factors : nullptr;
+            args.supers = tile_supers;
+            args.super_count = super_count;
+          } else if (two_level) {
             expand_factors(subs + t * tile_factors, tile_supers, 0, super_count, groups, expanded.data());
-            if (has_mins)
+            args.scales = expanded.data();
+            if (has_mins) {
               expand_factors(sub_mins + t * tile_factors, tile_supers, 1, super_count, groups,
                              expanded.data() + tile_factors);
+              args.mins = expanded.data() + tile_factors;
+            }
           } else {
-            tile_scales = flat_scales + t * tile_factors;
-            tile_mins = has_mins ? flat_mins + t * tile_factors : nullptr;
+            args.scales = flat_scales + t * tile_factors;
+            args.mins = has_mins ? flat_mins + t * tile_factors : nullptr;
           }
           for (int64_t m = m0; m < m_end; m += kRowBlock) {
             const int block = static_cast<int>(std::min<int64_t>(kRowBlock, m_end - m));
-            const TileArgs args{w + t * groups * group_bytes, tile_scales, tile_mins, act.q.data() + m * k,
-                                act.dx.data() + m * groups, act.dx_sum.data() + m * groups, k, groups};
+            args.xq = act.q.data() + m * k;
+            args.dx = act.dx.data() + m * groups;
+            args.dx_sum = act.dx_sum.data() + m * groups;
             run_rows(args, static_cast<int>(bits), block, acc);
             for (int r = 0; r < block; ++r)
               for (int64_t j = 0; j < valid; ++j) y[(m + r) * out_features + n0 + j] = from_float<scalar_t>(acc[r * kTile + j]);
