@@ -116,6 +116,14 @@ struct TileArgs {
   int64_t super_count = 1;
 };
 
+#ifdef __AVX2__
+// one group's 8 uint8 sub-values times their fp32 supers
+inline __m256 sub_times_super(const uint8_t* sub, const float* super) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub));
+  return _mm256_mul_ps(_mm256_loadu_ps(super), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
+}
+#endif
+
 // A tile's two-level factors multiplied out to [G, 8] fp32 (which = 0: scales, 1: mins), once per tile
 // rather than once per x row block: a batch's steps are compute-bound. At one row block this is pure
 // extra work: group factors are multiplied out in the kernel then, a 17920x1536 int4 layer at M=1 took
@@ -126,11 +134,8 @@ void expand_factors(const uint8_t* subs, const float* supers, int which, int64_t
   for (int64_t b = 0; b < groups / kSuper; ++b) {
     const float* super = supers + (b * count + which) * kTile;
 #ifdef __AVX2__
-    const __m256 factor = _mm256_loadu_ps(super);
-    for (int64_t g = b * kSuper; g < (b + 1) * kSuper; ++g) {
-      const __m128i sub = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(subs + g * kTile));
-      _mm256_storeu_ps(out + g * kTile, _mm256_mul_ps(factor, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sub))));
-    }
+    for (int64_t g = b * kSuper; g < (b + 1) * kSuper; ++g)
+      _mm256_storeu_ps(out + g * kTile, sub_times_super(subs + g * kTile, super));
 #else
     for (int64_t g = b * kSuper; g < (b + 1) * kSuper; ++g)
       for (int r = 0; r < kTile; ++r) out[g * kTile + r] = super[r] * static_cast<float>(subs[g * kTile + r]);
@@ -139,11 +144,6 @@ void expand_factors(const uint8_t* subs, const float* supers, int which, int64_t
 }
 
 #ifdef __AVX2__
-
-inline __m256 sub_times_super(const uint8_t* sub, const float* super) {
-  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub));
-  return _mm256_mul_ps(_mm256_loadu_ps(super), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)));
-}
 
 // group g's scale and min for the tile's 8 rows
 inline void group_factors(const TileArgs& a, int64_t g, bool has_mins, __m256& scale, __m256& min) {
