@@ -1,7 +1,8 @@
-"""pagedserve::quant_linear (int4, int8) next to fp32 F.linear for Qwen2.5-1.5B's MLP shapes, and at M=1 the
-fraction of the memory roofline (bytes of qweight + scales + mins at the measured bandwidth). "int4" and
+"""pagedserve::quant_linear (int4, int6, int8) next to fp32 F.linear for Qwen2.5-1.5B's MLP shapes, and at M=1
+the fraction of the memory roofline (bytes of qweight + scales + mins at the measured bandwidth). "int4" and
 "int8" have two-level scales (Q4_K's form); "int4-flat" is the same weight with fp32 scales and mins per
-group (Q4_0/Q4_1's form), 26 % more bytes.
+group (Q4_0/Q4_1's form), 26 % more bytes. "int6" is Q6_K's form (random values and sub-scales), the
+form a Q4_K_M file's Q6_K layers keep; "int8" is what they took before.
 
 Each timed call uses the next of several copies of the weights, together larger than the L3 cache,
 so M=1 streams from memory as in a real decode step (a model's weights never fit in L3)."""
@@ -14,20 +15,30 @@ import torch
 import torch.nn.functional as F
 
 import ops.cpu
-from ops.quant_linear import quant_linear, quantize_int4, quantize_int8
+from ops.quant_linear import GROUP, HALF, QuantizedWeight, quant_linear, quantize_int4, quantize_int8
 from decode_steps import Timed
 
 SHAPES = ((8960, 1536), (1536, 8960))      # (out_features, in_features): gate/up and down projections
 ROWS = (1, 8, 64)
-KINDS = ("fp32", "int8", "int4-flat", "int4")
+KINDS = ("fp32", "int8", "int6", "int4-flat", "int4")
 ROTATION_BYTES = 128 << 20                 # all copies together: well past a 32 MiB L3
 ROUNDS = {1: 40, 8: 20, 64: 10}
+
+
+def _q6_k_like(n: int, k: int) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(0)
+    return QuantizedWeight.from_groups(torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8),
+                                       torch.randint(-128, 128, (n, k // HALF), generator=g, dtype=torch.int8),
+                                       None, 6, torch.rand(n, k // (8 * GROUP), 1, generator=g) * 1e-3)
 
 
 def _copies(n: int, k: int, kind: str) -> list:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
     if kind == "fp32":
         one, size = w, w.numel() * 4
+    elif kind == "int6":
+        one = _q6_k_like(n, k)
+        size = one.nbytes
     else:
         one = (quantize_int8 if kind == "int8" else quantize_int4)(w)
         one = one.flattened() if kind == "int4-flat" else one

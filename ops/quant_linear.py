@@ -1,7 +1,8 @@
-"""`pagedserve::quant_linear`: y = x @ W.T with W stored as 4- or 8-bit integers in groups of 32 along K.
+"""`pagedserve::quant_linear`: y = x @ W.T with W stored as 4-, 6- or 8-bit integers in groups of 32 along K.
 
 Meaning of a weight: w[n, k] = scales[n, k // 32] * q[n, k] + mins[n, k // 32] (mins absent = 0);
-int4 q in 0..15, int8 q in -128..127.
+int4 q in 0..15, int8 q in -128..127. int6 is llama.cpp's Q6_K kept as it is: q in 0..63 stands for
+q - 32, and each 16 values have their own int8 sub-scale under a super per 256 (see below).
 
 Numerics (as llama.cpp): x is quantized per (row, 32-value block) to int8, dx = amax|x_block| / 127,
 xq = round-half-even(x / dx) (an all-zero block gives dx = 0, xq = 0), and per (row, group)
@@ -16,6 +17,11 @@ T = ceil(N / 8) tiles, G = K / 32 groups:
           q[k=j+16] in its high one; rows stored in the order 0,4,1,5,2,6,3,7 so that one 32-byte load
           holds rows (p, p+4) and a three-step horizontal add yields the 8 row sums in order.
     scales, mins: float32 [T, G, 8]: the 8 rows' values of a group are one vector load.
+    int6: qweight uint8 [T, G, 192]: bytes 0..127 are the low nibbles in the int4 layout; bytes 128..191
+          hold the top two bits as two 32-byte vectors, H0 for the int4 layout's 32-byte vectors 0 and 1
+          and H1 for vectors 2 and 3: bits 0-1 of a byte belong to the value in the low nibble of the same
+          byte position in the first of those vectors, bits 2-3 to its high nibble, bits 4-5 and 6-7 to
+          the second vector's low and high nibble. One shift and mask then puts them above a nibble.
 Padding rows have q = 0, scale = 0, min = 0.
 
 Two-level scales (the form of llama.cpp's K-quants), for K a multiple of 256: scales and mins are
@@ -24,6 +30,12 @@ values): scale = supers[t, g // 8, 0] * scales[t, g], min = supers[t, g // 8, 1]
 with mins, else 1), each product rounded to fp32 once (exact for a GGUF file's fp16 supers). An int4
 tile-group then takes 152 bytes instead of 192: 15 % less memory for the default model, though no
 faster on an AVX2 CPU, where the kernel is close to compute-bound at one row.
+
+int6 scales are always two-level: `scales` int8 [T, G, 8, 2] holds each row's sub-scales of the group's
+two 16-value halves, `supers` float32 [T, G/8, 1, 8] the d per 256 values, mins are absent, and
+    w[n, k] = supers[n, k // 256] * scales[n, k // 16] * (q[n, k] - 32)
+(exact in fp32: an fp16 times a 7-bit and a 5-bit integer). A tile-group takes 212 bytes, Q6_K's 210
+per 256 values; the int8 form that Q6_K would otherwise need takes 268 and rounds each weight again.
 """
 from __future__ import annotations
 
@@ -39,14 +51,29 @@ GROUP = 32                  # values per quantization group along K
 ROW_TILE = 8                # output rows the kernel computes together; N is padded to a multiple
 _INT4_ROW_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 _INT4_ROW_ORDER_INVERSE = (0, 2, 4, 6, 1, 3, 5, 7)
-_GROUP_BYTES = {4: ROW_TILE * GROUP // 2, 8: ROW_TILE * GROUP}
-_Q_DTYPE = {4: torch.uint8, 8: torch.int8}
-_Q_RANGE = {4: (0, 15), 8: (-128, 127)}
+_GROUP_BYTES = {4: ROW_TILE * GROUP // 2, 6: ROW_TILE * GROUP * 6 // 8, 8: ROW_TILE * GROUP}
+_Q_DTYPE = {4: torch.uint8, 6: torch.uint8, 8: torch.int8}
+_Q_RANGE = {4: (0, 15), 6: (0, 63), 8: (-128, 127)}
 SUPER = 8                   # groups sharing one super value in two-level scales (256 values, QK_K)
+HALF = GROUP // 2           # values per int6 sub-scale
+INT6_OFFSET = 32            # an int6 q stands for q - 32
 
 
 class QuantError(UserError, ValueError):
     """Quantized weights that cannot be built or used; the message names the value and what is allowed."""
+
+
+def _pair_up(rows: Tensor, width: int) -> Tensor:
+    """[..., 8, 32] values below 2**width -> [..., 8, 16]: rows in the int4 order, the values of k and
+    k + 16 in one byte (k + 16's shifted by `width`)."""
+    rows = rows[..., list(_INT4_ROW_ORDER), :]
+    return rows[..., :HALF] | (rows[..., HALF:] << width)
+
+
+def _split_pairs(packed: Tensor, width: int) -> Tensor:
+    """Inverse of _pair_up."""
+    values = torch.cat([packed & ((1 << width) - 1), packed >> width], dim=-1)
+    return values[..., list(_INT4_ROW_ORDER_INVERSE), :]
 
 
 def _pack(q: Tensor, bits: int) -> Tensor:
@@ -55,9 +82,13 @@ def _pack(q: Tensor, bits: int) -> Tensor:
     rows = q.view(tiles, ROW_TILE, groups, GROUP).permute(0, 2, 1, 3)       # [T, G, 8, 32]
     if bits == 8:
         return rows.contiguous().view(tiles, groups, _GROUP_BYTES[8])
-    rows = rows[:, :, list(_INT4_ROW_ORDER)]
-    packed = rows[..., :GROUP // 2] | (rows[..., GROUP // 2:] << 4)
-    return packed.contiguous().view(tiles, groups, _GROUP_BYTES[4])
+    packed = _pair_up(rows & 0x0F, 4).reshape(tiles, groups, 128)
+    if bits == 6:
+        # 4-bit codes of the top bits per byte position of the low nibbles, [T, G, H0/H1, vector, 32]
+        codes = _pair_up(rows >> 4, 2).view(tiles, groups, 2, 2, 32)
+        high = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)
+        packed = torch.cat([packed, high.reshape(tiles, groups, 64)], dim=-1)
+    return packed.contiguous()
 
 
 def _unpack(qweight: Tensor, bits: int) -> Tensor:
@@ -66,19 +97,22 @@ def _unpack(qweight: Tensor, bits: int) -> Tensor:
     if bits == 8:
         rows = qweight.view(tiles, groups, ROW_TILE, GROUP)
     else:
-        packed = qweight.view(tiles, groups, ROW_TILE, GROUP // 2)
-        rows = torch.cat([packed & 0x0F, packed >> 4], dim=-1)[:, :, list(_INT4_ROW_ORDER_INVERSE)]
+        rows = _split_pairs(qweight[..., :128].reshape(tiles, groups, ROW_TILE, HALF), 4)
+        if bits == 6:
+            high = qweight[..., 128:].reshape(tiles, groups, 2, 1, 32)
+            codes = torch.cat([high & 0x0F, high >> 4], dim=3).reshape(tiles, groups, ROW_TILE, HALF)
+            rows = rows | (_split_pairs(codes, 2) << 4)
     return rows.permute(0, 2, 1, 3).reshape(tiles * ROW_TILE, groups * GROUP)
 
 
 def _tile_per_group(values: Tensor) -> Tensor:
-    """[Np, G] -> [T, G, 8]."""
-    return values.view(-1, ROW_TILE, values.shape[1]).transpose(1, 2).contiguous()
+    """[Np, G, ...] -> [T, G, 8, ...]."""
+    return values.view(-1, ROW_TILE, *values.shape[1:]).transpose(1, 2).contiguous()
 
 
 def _untile_per_group(values: Tensor) -> Tensor:
-    """[T, G, 8] -> [Np, G]."""
-    return values.transpose(1, 2).reshape(-1, values.shape[1])
+    """[T, G, 8, ...] -> [Np, G, ...]."""
+    return values.transpose(1, 2).reshape(-1, values.shape[1], *values.shape[3:])
 
 
 def _tile_supers(supers: Tensor) -> Tensor:
@@ -102,15 +136,16 @@ class QuantizedWeight:
     qweight: Tensor
     scales: Tensor
     mins: Tensor | None
-    supers: Tensor | None = None     # two-level scales: scales and mins are uint8 sub-values
+    supers: Tensor | None = None     # two-level scales: scales and mins are uint8 (int6: int8) sub-values
 
     @classmethod
     def from_groups(cls, q: Tensor, scales: Tensor, mins: Tensor | None, bits: int,
                     supers: Tensor | None = None) -> QuantizedWeight:
         """q: [N, K] (bits=4: uint8 0..15; bits=8: int8); scales, mins: float32 [N, K // 32]; or, with
-        `supers` float32 [N, K // 256, S] (S = 2 with mins, else 1), scales and mins uint8 sub-values."""
+        `supers` float32 [N, K // 256, S] (S = 2 with mins, else 1), scales and mins uint8 sub-values.
+        bits=6: q uint8 0..63 (standing for q - 32), scales int8 [N, K // 16], no mins, supers [N, K // 256, 1]."""
         if bits not in _Q_DTYPE:
-            raise QuantError(f"bits={bits}: allowed are 4 and 8")
+            raise QuantError(f"bits={bits}: allowed are 4, 6 and 8")
         if q.dim() != 2 or q.dtype != _Q_DTYPE[bits]:
             raise QuantError(f"q must be a 2-D {_Q_DTYPE[bits]} tensor for bits={bits}, "
                              f"got {q.dtype} {tuple(q.shape)}")
@@ -119,25 +154,31 @@ class QuantizedWeight:
             raise QuantError(f"q is [{n}, {k}]: out_features must be > 0 and in_features a positive "
                              f"multiple of {GROUP}")
         low, high = _Q_RANGE[bits]
-        if bits == 4 and int(q.max()) > high:
-            raise QuantError(f"bits=4 q values must lie in {low}..{high}, got a maximum of {int(q.max())}")
+        if bits != 8 and int(q.max()) > high:
+            raise QuantError(f"bits={bits} q values must lie in {low}..{high}, got a maximum of {int(q.max())}")
         groups = k // GROUP
+        if bits == 6 and (supers is None or mins is not None):
+            raise QuantError(f"bits=6 (Q6_K's form) takes int8 sub-scales per {HALF} values under supers "
+                             f"and no mins; got {'no supers' if supers is None else 'mins'}")
         if supers is not None:
             count = 1 + (mins is not None)
             if groups % SUPER or supers.dtype != torch.float32 or tuple(supers.shape) != (n, groups // SUPER, count):
                 raise QuantError(f"supers must be float32 [{n}, {groups // SUPER}, {count}] (K a multiple of "
                                  f"{GROUP * SUPER}; one scale{' and one min' if count == 2 else ''} factor per "
                                  f"row and {GROUP * SUPER} values), got {supers.dtype} {tuple(supers.shape)} for K={k}")
-        factor_dtype = torch.float32 if supers is None else torch.uint8
+        factor_dtype = torch.float32 if supers is None else torch.int8 if bits == 6 else torch.uint8
+        per = HALF if bits == 6 else GROUP
         for name, t in (("scales", scales), ("mins", mins)):
-            if t is not None and (t.dtype != factor_dtype or tuple(t.shape) != (n, groups)):
-                raise QuantError(f"{name} must be {factor_dtype} [{n}, {groups}] (one per row and group of "
-                                 f"{GROUP}{' under supers' if supers is not None else ''}), "
+            if t is not None and (t.dtype != factor_dtype or tuple(t.shape) != (n, k // per)):
+                raise QuantError(f"{name} must be {factor_dtype} [{n}, {k // per}] (one per row and "
+                                 f"{per} values{' under supers' if supers is not None else ''}), "
                                  f"got {t.dtype} {tuple(t.shape)}")
         pad = -n % ROW_TILE
 
         def rows_padded(t: Tensor) -> Tensor:
             return torch.nn.functional.pad(t.cpu(), (0, 0) * (t.dim() - 1) + (0, pad))
+        if bits == 6:
+            scales = scales.view(n, groups, GROUP // HALF)       # a group's two halves stay side by side
         tiled = [None if t is None else _tile_per_group(rows_padded(t)) for t in (scales, mins)]
         return cls(bits, n, k, _pack(rows_padded(q), bits), tiled[0], tiled[1],
                    None if supers is None else _tile_supers(rows_padded(supers)))
@@ -148,7 +189,8 @@ class QuantizedWeight:
         q = _unpack(self.qweight, self.bits)[:n]
         mins = None if self.mins is None else _untile_per_group(self.mins)[:n].contiguous()
         supers = None if self.supers is None else _untile_supers(self.supers)[:n].contiguous()
-        return q.contiguous(), _untile_per_group(self.scales)[:n].contiguous(), mins, supers
+        scales = _untile_per_group(self.scales)[:n].reshape(n, -1)
+        return q.contiguous(), scales.contiguous(), mins, supers
 
     def flat_groups(self) -> tuple[Tensor, Tensor, Tensor | None]:
         """(q, scales, mins) with float32 scales and mins per group: two-level ones multiplied out."""
@@ -156,6 +198,8 @@ class QuantizedWeight:
 
     def flattened(self) -> QuantizedWeight:
         """The same weight with float32 scales (and mins) per group."""
+        if self.bits == 6:
+            raise QuantError(f"int6 has a scale per {HALF} values: it has no form with one per {GROUP}")
         if self.supers is None:
             return self
         per_group = self.supers.repeat_interleave(SUPER, dim=1)          # [T, G, S, 8]
@@ -172,8 +216,12 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """[N, K] weights from the formula: exact in float64; otherwise evaluated in float32 (one rounding
         per product and per added min), then cast to `dtype`."""
-        q, scales, mins = self.flat_groups()
         work = torch.float64 if dtype == torch.float64 else torch.float32
+        if self.bits == 6:
+            q, scales, _, supers = self.to_groups()
+            w = (q.to(work) - INT6_OFFSET).view(q.shape[0], -1, HALF) * scales.to(work)[..., None]
+            return (w.view(q.shape[0], -1, GROUP * SUPER) * supers.to(work)).view(q.shape).to(dtype)
+        q, scales, mins = self.flat_groups()
         w = q.to(work).view(q.shape[0], -1, GROUP) * scales.to(work)[..., None]
         if mins is not None:
             w = w + mins.to(work)[..., None]
@@ -220,7 +268,7 @@ class QuantizedWeight:
                    if t is not None)
 
     def describe(self) -> str:
-        scales = "g32x8" if self.supers is not None else "g32"
+        scales = "g16x16" if self.bits == 6 else "g32x8" if self.supers is not None else "g32"
         return f"int{self.bits} {scales} {'sym' if self.mins is None else 'asym'}"
 
 
@@ -307,7 +355,9 @@ def _check(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supe
            out_features: int) -> None:
     op = "quant_linear"
     bits = int(bits)    # dynamo may trace a weight's int attributes as SymInts; a dict key must be an int
-    require(bits in _Q_DTYPE, op, f"bits={bits}: allowed are 4 and 8")
+    require(bits in _Q_DTYPE, op, f"bits={bits}: allowed are 4, 6 and 8")
+    require(bits != 6 or (supers is not None and mins is None), op,
+            "bits=6 needs supers and takes no mins (build it with QuantizedWeight)")
     require(x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16), op,
             f"x must be 2-D [M, K] float32 or bfloat16, got {x.dtype} {tuple(x.shape)}")
     require(qweight.dim() == 3 and qweight.dtype == _Q_DTYPE[bits] and qweight.shape[2] == _GROUP_BYTES[bits]
@@ -315,11 +365,11 @@ def _check(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supe
             f"qweight must be a contiguous {_Q_DTYPE[bits]} [tiles, K/{GROUP}, {_GROUP_BYTES[bits]}] tensor for "
             f"bits={bits} (build it with QuantizedWeight), got {qweight.dtype} {tuple(qweight.shape)}")
     tiles, groups = qweight.shape[:2]
-    factor_dtype = torch.float32 if supers is None else torch.uint8
+    factor_dtype = torch.float32 if supers is None else torch.int8 if bits == 6 else torch.uint8
+    factor_shape = (tiles, groups, ROW_TILE) + ((GROUP // HALF,) if bits == 6 else ())
     for name, t in (("scales", scales), ("mins", mins)):
-        require(t is None or (t.dtype == factor_dtype and t.shape == (tiles, groups, ROW_TILE)
-                              and t.is_contiguous()), op,
-                f"{name} must be contiguous {factor_dtype} [{tiles}, {groups}, {ROW_TILE}] to match qweight"
+        require(t is None or (t.dtype == factor_dtype and t.shape == factor_shape and t.is_contiguous()), op,
+                f"{name} must be contiguous {factor_dtype} {list(factor_shape)} to match qweight"
                 f"{' and supers' if supers is not None else ''}, got {None if t is None else (t.dtype, tuple(t.shape))}")
     if supers is not None:
         shape = (tiles, groups // SUPER, 1 + (mins is not None), ROW_TILE)

@@ -2,11 +2,13 @@
 kernel against the float64 reference, the reference against the plain float product, and compile/opcheck."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from ops import OpInputError
-from ops.quant_linear import (GROUP, SUPER, QuantError, QuantizedWeight, quant_linear, quantize_int4,
+from ops.quant_linear import (GROUP, HALF, SUPER, QuantError, QuantizedWeight, quant_linear, quantize_int4,
                               quantize_int8, reference_quant_linear)
 
 Ms = (0, 1, 2, 3, 5, 8, 17, 64, 300)      # 300 rows at K=1024 span two of the kernel's x chunks
@@ -18,8 +20,14 @@ pytestmark = pytest.mark.usefixtures("cpp_kernels")
 
 def _random_groups(n: int, k: int, bits: int, with_mins: bool, seed: int = 0, two_level: bool = False):
     """Random (q, scales, mins, supers) over each type's full range, including int8's -128. Two-level:
-    uint8 sub-values 0..255 under fp16-representable supers (a GGUF K-quant's form)."""
+    uint8 sub-values 0..255 under fp16-representable supers (a GGUF K-quant's form). int6 (always
+    two-level, no mins): q 0..63 and int8 sub-scales -128..127 per 16 values, as Q6_K stores them."""
     g = torch.Generator().manual_seed(seed)
+    if bits == 6:
+        assert two_level and not with_mins
+        return (torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8),
+                torch.randint(-128, 128, (n, k // HALF), generator=g, dtype=torch.int8), None,
+                (torch.rand(n, k // GROUP // SUPER, 1, generator=g) * 1e-4 + 1e-5).half().float())
     if bits == 4:
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     else:
@@ -80,6 +88,29 @@ def test_from_groups_round_trips_and_dequantizes_to_the_formula(bits, with_mins,
     assert torch.equal(w.flattened().dequantize(torch.float64), w.dequantize(torch.float64))
 
 
+@pytest.mark.parametrize("n", (1, 8, 13, 200))
+def test_int6_round_trips_and_dequantizes_to_q6_k_formula(n):
+    """w = super * sub-scale(16 values) * (q - 32), exact in float32 too; the top two bits of a value sit
+    where the layout says (checked through a single set value)."""
+    k = 512
+    q, scales, mins, supers = _random_groups(n, k, 6, False, seed=n, two_level=True)
+    w = QuantizedWeight.from_groups(q, scales, None, 6, supers)
+    back = w.to_groups()
+    assert torch.equal(back[0], q) and torch.equal(back[1], scales) and back[2] is None and torch.equal(back[3], supers)
+    expected = ((q.double() - 32) * scales.double().repeat_interleave(HALF, dim=1)
+                * supers[..., 0].double().repeat_interleave(GROUP * SUPER, dim=1))
+    assert torch.equal(w.dequantize(torch.float64), expected)
+    assert torch.equal(w.dequantize(), expected.float())
+    assert w.describe() == "int6 g16x16 sym"
+    padded = -(-n // 8) * 8
+    assert w.nbytes == padded * k * 6 // 8 + padded * (k // HALF) + padded * (k // 256) * 4
+    one = torch.zeros(8, 256, dtype=torch.uint8)
+    one[1, 19] = 0b110000         # row 1 = second lane-0 row of the int4 order; k = 19 is a high nibble
+    top = QuantizedWeight.from_groups(one, scales[:1].repeat(8, 1)[:, :16], None, 6, supers[:1, :1].repeat(8, 1, 1))
+    high = top.qweight[0, 0, 128:]
+    assert high.nonzero().flatten().tolist() == [3] and int(high[3]) == 0b11 << 6   # H0, vector 1, bits 6-7
+
+
 @pytest.mark.parametrize("group_size", (32, 64, 128))
 @pytest.mark.parametrize("k", (384, 512))       # fp32 factors per group; two-level ones (K a multiple of 256)
 def test_quantizers_keep_each_weight_within_half_a_step(group_size, k):
@@ -110,10 +141,12 @@ def _activations(m: int, k: int, dtype, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("bits", (4, 8))
-@pytest.mark.parametrize("with_mins", (True, False))
+FORMATS = [(bits, with_mins, two_level) for bits in (4, 8) for with_mins in (True, False)
+           for two_level in (False, True)] + [(6, False, True)]
+
+
+@pytest.mark.parametrize("bits, with_mins, two_level", FORMATS)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-@pytest.mark.parametrize("two_level", (False, True))
 def test_kernel_matches_the_reference(bits, with_mins, dtype, two_level):
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
     for n, k in SHAPES:
@@ -128,7 +161,7 @@ def test_kernel_matches_the_reference(bits, with_mins, dtype, two_level):
             scale = ref.float().abs().amax(-1, keepdim=True).clamp_min(1e-30)
             torch.testing.assert_close(out.float() / scale, ref.float() / scale, **tol,
                                        msg=lambda s: f"bits={bits} mins={with_mins} M={m} N={n} K={k}: {s}")
-            if two_level:   # the same fp32 factors as the flat form: the same sums, bit for bit
+            if two_level and bits != 6:   # the same fp32 factors as the flat form: the same sums, bit for bit
                 assert torch.equal(out, _run_op(x, w.flattened()))
 
 
@@ -172,6 +205,18 @@ def test_cat_equals_the_concatenated_weights(ns, bits, mins, two_level):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("ns", ((16, 8, 24), (12, 40, 7)))
+def test_int6_parts_cat(ns):
+    groups = [_random_groups(n, 256, 6, False, seed=i, two_level=True) for i, n in enumerate(ns)]
+    parts = [QuantizedWeight.from_groups(q, scales, None, 6, supers) for q, scales, _, supers in groups]
+    joined = QuantizedWeight.cat(parts)
+    assert joined.bits == 6 and joined.out_features == sum(ns)
+    assert torch.equal(joined.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(_run_op(x, joined), torch.cat([_run_op(x, p) for p in parts], dim=1),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("two_level", (False, True))
 def test_int4_widens_to_int8_without_loss(two_level):
     groups = _random_groups(12, 256, 4, True, two_level=two_level)
@@ -186,7 +231,16 @@ def test_int4_widens_to_int8_without_loss(two_level):
 def test_bad_weights_raise_quant_errors_naming_the_value():
     q, scales, mins, _ = _random_groups(8, 64, 4, True)
     q2, subs, sub_mins, supers = _random_groups(8, 256, 4, True, two_level=True)
+    q6, scales6, _, supers6 = _random_groups(8, 256, 6, False, two_level=True)
+    w6 = QuantizedWeight.from_groups(q6, scales6, None, 6, supers6)
     cases = [
+        (lambda: QuantizedWeight.from_groups(q6, scales6, None, 6), "bits=6 (Q6_K's form) takes int8 sub-scales"),
+        (lambda: QuantizedWeight.from_groups(q6, scales6, scales6, 6, supers6), "got mins"),
+        (lambda: QuantizedWeight.from_groups(q6, scales6.to(torch.uint8), None, 6, supers6),
+         "scales must be torch.int8 [8, 16] (one per row and 16 values"),
+        (lambda: QuantizedWeight.from_groups(q6 | 64, scales6, None, 6, supers6), "0..63"),
+        (lambda: w6.flattened(), "int6 has a scale per 16 values"),
+        (lambda: w6.with_bits(8), "only int4 -> int8"),
         (lambda: QuantizedWeight.from_groups(q, scales, mins, 4, supers), "supers must be float32 [8, 0, 2]"),
         (lambda: QuantizedWeight.from_groups(q2, subs, sub_mins, 4, supers[..., :1]), "supers must be float32 [8, 1, 2]"),
         (lambda: QuantizedWeight.from_groups(q2, subs.float(), sub_mins, 4, supers), "scales must be torch.uint8"),
@@ -203,7 +257,7 @@ def test_bad_weights_raise_quant_errors_naming_the_value():
         (lambda: quant_linear(torch.randn(2, 32), quantize_int8(torch.randn(8, 64))), "expects 64"),
     ]
     for call, words in cases:
-        with pytest.raises(QuantError, match=words.replace("[", r"\[").replace(".", r"\.")):
+        with pytest.raises(QuantError, match=re.escape(words)):
             call()
 
 
@@ -211,6 +265,8 @@ def test_bad_op_inputs_raise_op_input_errors():
     w = quantize_int4(torch.randn(12, 64))
     groups = _random_groups(12, 256, 4, True, two_level=True)
     w2 = QuantizedWeight.from_groups(*groups[:3], 4, groups[3])
+    groups6 = _random_groups(12, 256, 6, False, two_level=True)
+    w6 = QuantizedWeight.from_groups(*groups6[:3], 6, groups6[3])
     op = torch.ops.pagedserve.quant_linear
     cases = [
         (lambda: op(torch.randn(2, 64), w.qweight, w.scales, w.mins, None, 8, 12), "bits=8"),
@@ -221,6 +277,11 @@ def test_bad_op_inputs_raise_op_input_errors():
         (lambda: op(torch.randn(2, 256), w2.qweight, w2.scales, w2.mins, None, 4, 12), "scales must be contiguous torch.float32"),
         (lambda: op(torch.randn(2, 256), w2.qweight, w2.scales, w2.mins, w2.supers[:, :, :1].contiguous(), 4, 12),
          "supers must be contiguous float32"),
+        (lambda: op(torch.randn(2, 256), w6.qweight, w6.scales, None, None, 6, 12), "bits=6 needs supers"),
+        (lambda: op(torch.randn(2, 256), w6.qweight, w6.scales.view(torch.uint8), None, w6.supers, 6, 12),
+         r"scales must be contiguous torch.int8 \[2, 8, 8, 2\]"),
+        (lambda: op(torch.randn(2, 256), w2.qweight, w2.scales, None, w2.supers[:, :, :1].contiguous(), 6, 12),
+         "qweight must be a contiguous torch.uint8"),
     ]
     for call, words in cases:
         with pytest.raises(OpInputError, match=words):
@@ -228,7 +289,8 @@ def test_bad_op_inputs_raise_op_input_errors():
 
 
 @pytest.mark.parametrize("bits, with_mins, dtype, two_level",
-                         [(4, True, torch.float32, False), (8, False, torch.bfloat16, False), (4, True, torch.float32, True)])
+                         [(4, True, torch.float32, False), (8, False, torch.bfloat16, False), (4, True, torch.float32, True),
+                          (6, False, torch.bfloat16, True)])
 def test_opcheck(bits, with_mins, dtype, two_level):
     k = 256 if two_level else 64
     groups = _random_groups(13, k, bits, with_mins, two_level=two_level)

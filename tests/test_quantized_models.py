@@ -52,8 +52,7 @@ def gguf_files(tmp_path_factory) -> list[Path]:
 
 
 def test_every_block_format_repacks(gguf_files):
-    """Every format but Q6_K dequantizes to exactly the gguf package's values; Q6_K (a scale per 16
-    values) is requantized to int8 and lands within half an int8 step of them."""
+    """Every format dequantizes to exactly the gguf package's values (Q6_K as int6, a scale per 16 values)."""
     seen = set()
     for path in gguf_files:
         for t in _kept_tensors(path):
@@ -61,15 +60,11 @@ def test_every_block_format_repacks(gguf_files):
             data = t.data.reshape(shape[0], -1)
             q, scales, mins, supers = gguf_quant.groups(data, t.tensor_type, shape)
             weight = QuantizedWeight.from_groups(q, scales, mins, gguf_quant.bits_of(t.tensor_type), supers)
-            # K-quants have two-level scales: Q4_K/Q5_K the file's own, Q6_K's requantized ones
+            # K-quants keep the file's two-level scales
             assert (supers is not None) == (t.tensor_type in K_QUANTS)
+            assert (weight.bits == 6) == (t.tensor_type == GGMLQuantizationType.Q6_K)
             expected = torch.from_numpy(np.require(quants.dequantize(data, t.tensor_type), np.float32))
-            ours = weight.dequantize()
-            if t.tensor_type == GGMLQuantizationType.Q6_K:
-                half_step = (weight.flat_groups()[1] / 2).repeat_interleave(GROUP, dim=1)
-                assert ((ours - expected).abs() <= half_step * (1 + 1e-5)).all(), (path.name, t.name)
-            else:
-                assert torch.equal(ours, expected), (path.name, t.name, t.tensor_type.name)
+            assert torch.equal(weight.dequantize(), expected), (path.name, t.name, t.tensor_type.name)
             seen.add(t.tensor_type.name)
     assert seen == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q5_K", "Q4_K", "Q6_K"}
 
@@ -88,23 +83,24 @@ def test_kept_checkpoint_holds_the_widened_weights(path, tmp_path):
         weight = kept.get_linear(name, tuple(widened[name].shape), torch.float32)
         assert isinstance(weight, QuantizedWeight)
         assert (weight.supers is not None) == (types[name] in K_QUANTS)
-        if types[name] == GGMLQuantizationType.Q6_K:
-            half_step = float(weight.flat_groups()[1].max()) / 2
-            torch.testing.assert_close(weight.dequantize(), widened[name], atol=half_step * 1.0001, rtol=0)
-        else:
-            assert torch.equal(weight.dequantize(), widened[name]), name
+        assert (weight.bits == 6) == (types[name] == GGMLQuantizationType.Q6_K)
+        assert torch.equal(weight.dequantize(), widened[name]), name
 
 
-def test_quantized_entry_in_an_older_group_form_is_converted_again(tmp_path):
-    """A `-quantized` cache entry written before K-quants kept two-level scales (no group_format in its
-    marker) would load with fp32 scales per group; it is converted again instead."""
-    path, cache = SHARED / "qwen3-hd128-Q4_K.gguf", tmp_path / "cache"
+@pytest.mark.parametrize("older", ("absent", 2))
+def test_quantized_entry_in_an_older_group_form_is_converted_again(tmp_path, older):
+    """A `-quantized` cache entry written in an older group form loads in that form (no group_format:
+    fp32 scales per group; format 2: Q6_K requantized to int8); it is converted again instead."""
+    path, cache = SHARED / "llama-Q6_K.gguf", tmp_path / "cache"
     entry = gguf_to_hf_dir(path, "float32", cache_root=cache, keep_quantized=True)
     marker = entry / gguf_module.MARKER
-    marker.write_text(marker.read_text().replace('"group_format"', '"old_group_format"'))
+    current = f'"group_format": {gguf_module.GROUP_FORMAT}'
+    marker.write_text(marker.read_text().replace(current, '"old_group_format": 1' if older == "absent"
+                                                 else f'"group_format": {older}'))
     assert gguf_to_hf_dir(path, "float32", cache_root=cache, keep_quantized=True) == entry
-    assert f'"group_format": {gguf_module.GROUP_FORMAT}' in marker.read_text()
-    assert any(name.endswith(".qsupers") for name in open_checkpoint(entry).names())
+    assert current in marker.read_text()
+    stored = load_file(str(entry / "model.safetensors"))
+    assert any(name.endswith(".qscales") and t.dtype == torch.int8 for name, t in stored.items())  # Q6_K as int6
 
 
 def _greedy_agreement(model: str, **quantized) -> tuple[float, float]:
@@ -147,6 +143,39 @@ def _check_close_to_dense(model: str, record_property, label: str, mode: str = "
     print(f"{label}: logits max error {error:.4f} of max |logit|, teacher-forced top-1 agreement {top1:.3f}, "
           f"greedy: {identical:.2f} of prompts identical, mean common prefix {prefix:.2f}")
     assert error < 0.05 and top1 >= 0.9, f"{label}: logit error {error:.4f}, top-1 agreement {top1:.3f}"
+
+
+class _StoredWeights:
+    """The part of a Checkpoint that LinearLoader reads, over weights given per name."""
+
+    def __init__(self, weights: dict):
+        self.weights = weights
+
+    def is_quantized(self, name: str) -> bool:
+        return isinstance(self.weights[name], QuantizedWeight)
+
+    def get_linear(self, name: str, shape, dtype):
+        return self.weights[name]
+
+
+def test_auto_keeps_each_stored_format_and_mixed_fused_parts_meet_in_int8():
+    """Q4_K_M's pattern: attn_q/attn_k Q4_K with attn_v Q6_K fused into one layer, ffn_down Q6_K alone."""
+    g = torch.Generator().manual_seed(0)
+    int4 = [quantize_int4(torch.randn(16, 256, generator=g)) for _ in range(2)]
+    q6 = torch.randint(0, 64, (16, 256), generator=g, dtype=torch.uint8)
+    scales6 = torch.randint(-128, 128, (16, 16), generator=g, dtype=torch.int8)
+    int6 = QuantizedWeight.from_groups(q6, scales6, None, 6, torch.full((16, 1, 1), 1e-3))
+    loader = LinearLoader(_StoredWeights({"q": int4[0], "k": int4[1], "v": int6, "down": int6}), torch.float32,
+                          torch.device("cpu"), "auto")
+    qkv = loader.load([("q", 16, 256), ("k", 16, 256), ("v", 16, 256)])
+    down = loader.load([("down", 16, 256)])
+    assert down.bits == 6 and torch.equal(down.qweight, int6.qweight) and torch.equal(down.scales, int6.scales)
+    assert qkv.bits == 8
+    widened = qkv.dequantize()
+    assert torch.equal(widened[:32], torch.cat([w.dequantize() for w in int4]))     # int4 widens exactly
+    half_step = qkv.flat_groups()[1][32:].repeat_interleave(GROUP, dim=1) / 2
+    assert bool(((widened[32:] - int6.dequantize()).abs() <= half_step * (1 + 1e-5)).all())
+    assert loader.describe() == "int8 g32x8 asym x1, int6 g16x16 sym x1"
 
 
 @pytest.mark.parametrize("path", [p for p in SHARED_FILES if "F32" not in p.name], ids=lambda p: p.name)

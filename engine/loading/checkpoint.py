@@ -22,7 +22,7 @@ def group_tensor_names(name: str) -> tuple[str, str, str, str]:
     """The stored names of a weight kept in group form (ops/quant_linear.py: w = scale * q + min):
     integer values [N, K] (uint8 = int4 values, int8 = int8), then float32 scales and mins [N, K/32]
     (mins absent when zero); or, with two-level scales, uint8 sub-scales and sub-mins and float32
-    supers [N, K/256, 1 or 2]."""
+    supers [N, K/256, 1 or 2]. uint8 values with int8 sub-scales [N, K/16] are int6 (Q6_K's form)."""
     return tuple(name + suffix for suffix in GROUP_SUFFIXES)
 
 
@@ -84,7 +84,7 @@ class Checkpoint:
         else the dense tensor in `dtype`."""
         if not self.is_quantized(name):
             return self.get(name, shape, dtype)
-        from ops.quant_linear import GROUP, SUPER, QuantError, QuantizedWeight
+        from ops.quant_linear import GROUP, HALF, SUPER, QuantError, QuantizedWeight
 
         values, scales, mins, supers = group_tensor_names(name)
         q = self._read(values, shape)
@@ -92,9 +92,12 @@ class Checkpoint:
         bits = {torch.uint8: 4, torch.int8: 8}.get(q.dtype)
         if bits is None:
             raise CheckpointError(f"{self._locate(values)[0]}: tensor {values!r} is {q.dtype}; "
-                                  "group values are uint8 (int4) or int8")
+                                  "group values are uint8 (int4, int6) or int8")
+        if bits == 4 and self._stored_dtype(scales) == "I8":
+            bits = 6
         two_level = self.has(supers)
-        factors = [self._read(t, groups) if self.has(t) else None for t in (scales, mins)]
+        factors = [self._read(scales, (shape[0], shape[1] // HALF) if bits == 6 else groups),
+                   self._read(mins, groups) if self.has(mins) else None]
         if not two_level:
             factors = [None if t is None else t.float() for t in factors]
         try:
@@ -103,6 +106,11 @@ class Checkpoint:
                 self._read(supers, (shape[0], groups[1] // SUPER, 1 + self.has(mins))) if two_level else None)
         except QuantError as e:
             raise CheckpointError(f"{self._locate(values)[0]}: weight {name!r}: {e}") from None
+
+    def _stored_dtype(self, name: str) -> str:
+        """The safetensors dtype name ("I8", "F32", ...) of a tensor, without reading it."""
+        file, stored = self._locate(name)
+        return self._handles[file].get_slice(stored).get_dtype()
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The tensor `name`, checked to have `shape`, cast once to `dtype`, contiguous."""

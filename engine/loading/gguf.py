@@ -49,8 +49,8 @@ DEQUANT_BAND_ELEMENTS = 16 * 1024**2
 HASH_CHUNK = 8 * 1024**2
 MARKER = "complete.json"
 # The stored group form's version; a quantized entry written in another one is converted again
-# (2: K-quants keep their two-level scales).
-GROUP_FORMAT = 2
+# (2: K-quants keep their two-level scales; 3: Q6_K is kept as int6, no longer requantized to int8).
+GROUP_FORMAT = 3
 HASH_INDEX = "hash-index.json"
 
 # progress(tensors_done, tensors_total, tensor_name), called after each converted tensor

@@ -12,10 +12,7 @@ the `gguf` package's dequantizer gives (scale = d * sc is exact in fp32: an fp16
     Q5_1                           -> int8 values 0..31 with the format's scale and min
     Q5_K                           -> int8 values 0..31, two-level like Q4_K
     Q8_0  d * q                    -> int8, scale d
-
-Q6_K has a scale per 16 values, which no 32-value group can hold exactly: it is requantized to int8 per
-32 values from its dequantized weights (`quantize_int8`, two-level scales; one rounding, at most half an
-int8 step, about a quarter of Q6_K's own).
+    Q6_K  d*sc_j * (q - 32)        -> int6 as it is: 6-bit q, int8 sub-scale sc_j per 16 values, d per 256
 """
 from __future__ import annotations
 
@@ -24,12 +21,12 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from ops.quant_linear import GROUP, quantize_int8
+from ops.quant_linear import GROUP, HALF
 
 QK_K = 256
 INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)
-INT8_TYPES = (T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0, T.Q6_K)
-KEPT_TYPES = INT4_TYPES + INT8_TYPES
+INT8_TYPES = (T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0)
+KEPT_TYPES = INT4_TYPES + INT8_TYPES + (T.Q6_K,)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -90,31 +87,39 @@ def _q8_0(b):
     return b[:, 2:].view(np.int8), _f16(b[:, :2]), None
 
 
+def _q6_k(b):
+    """Per 128 values: ql's 64 bytes give low nibbles of values 0..63, high nibbles of 64..127; qh's 32
+    bytes give the top two bits of values j, j+32, j+64 and j+96 at shifts 0, 2, 4 and 6."""
+    n = len(b)
+    low = (b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8)[:, None]) & 0x0F
+    high = (b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 0x03
+    q = low.reshape(n, QK_K) | (high.reshape(n, QK_K) << 4)
+    return q, b[:, 192:208].view(np.int8), None, _f16(b[:, 208:210])
+
+
 _UNPACK = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q5_K: _q5_k,
-           T.Q8_0: _q8_0}
+           T.Q8_0: _q8_0, T.Q6_K: _q6_k}
 
 
 def groups(data: np.ndarray, kind: T, shape: tuple[int, int]) -> tuple[torch.Tensor, ...]:
     """A GGUF tensor's raw bytes (`[rows, bytes per row]`, any of KEPT_TYPES) in group form for
     `QuantizedWeight.from_groups`: (q [N, K], scales, mins, supers). One-level types give float32
-    scales and mins [N, K/32] (mins None when all zero) and supers None; K-quants give uint8 sub-scales
-    and sub-mins with float32 supers [N, K/256, 2]."""
+    scales and mins [N, K/32] (mins None when all zero) and supers None; Q4_K/Q5_K give uint8 sub-scales
+    and sub-mins with float32 supers [N, K/256, 2]; Q6_K int8 sub-scales [N, K/16] and supers [N, K/256, 1]."""
     rows, cols = shape
-    if kind == T.Q6_K:
-        dense = torch.from_numpy(np.require(quants.dequantize(data, kind), np.float32)).reshape(shape)
-        return quantize_int8(dense).to_groups()
     type_size = quants.GGML_QUANT_SIZES[kind][1]
     unpacked = _UNPACK[kind](np.ascontiguousarray(data).reshape(-1, type_size))
     q, scales, mins = unpacked[:3]
     supers = unpacked[3] if len(unpacked) == 4 else None
 
     def per_row(a: np.ndarray | None, count: int) -> torch.Tensor | None:
-        return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, count, -1).squeeze(-1)
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, count, -1)
+    per = HALF if kind == T.Q6_K else GROUP
     if supers is not None:
         supers = per_row(supers, cols // QK_K)
-    return (torch.from_numpy(np.ascontiguousarray(q)).reshape(rows, cols), per_row(scales, cols // GROUP),
-            per_row(mins, cols // GROUP), supers)
+    return (torch.from_numpy(np.ascontiguousarray(q)).reshape(rows, cols), per_row(scales, cols // per).squeeze(-1),
+            None if mins is None else per_row(mins, cols // GROUP).squeeze(-1), supers)
 
 
 def bits_of(kind: T) -> int:
-    return 4 if kind in INT4_TYPES else 8
+    return 4 if kind in INT4_TYPES else 6 if kind == T.Q6_K else 8

@@ -3,11 +3,11 @@
 A weight is a dense tensor in the engine dtype or a `QuantizedWeight` (ops/quant_linear.py). The
 `quantization` setting decides, per weight, from what the checkpoint stores:
   none  every weight dense (quantized ones are dequantized once at load);
-  auto  as stored: a GGUF's quantized weights stay quantized, dense ones stay dense;
+  auto  as stored: a GGUF's quantized weights stay quantized (Q6_K as int6), dense ones stay dense;
   int8  / int4  every weight in that format: stored int4 values widen to int8 losslessly, anything
         else is quantized from its dequantized values (groups of `group_size`).
-Fused layers (q/k/v, gate/up) concatenate their parts; parts stored in different formats meet in the
-wider one (int4 widens to int8 without loss; a dense part is quantized to int8).
+Fused layers (q/k/v, gate/up) concatenate their parts; under `auto`, parts stored in different
+formats meet in int8 (int4 widens without loss; a dense or int6 part is quantized to int8).
 """
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ class LinearLoader:
             self.formats[str(self.dtype).removeprefix("torch.")] += 1
             return (dense[0] if len(dense) == 1 else torch.cat(dense)).to(self.device)
         if self.mode == "auto":
-            all_int4 = all(isinstance(w, QuantizedWeight) and w.bits == 4 for w in weights)
-            bits = 4 if all_int4 else 8
+            stored = {w.bits if isinstance(w, QuantizedWeight) else None for w in weights}
+            bits = stored.pop() if len(stored) == 1 and None not in stored else 8
         else:
             bits = 8 if self.mode == "int8" else 4
         fused = QuantizedWeight.cat([_to_bits(w, bits, self.group_size) for w in weights])

@@ -1,9 +1,12 @@
-// pagedserve::quant_linear on CPUs: y = x @ W.T with W in int4/int8 groups of 32 (layout: ops/quant_linear.py).
+// pagedserve::quant_linear on CPUs: y = x @ W.T with W in int4/int6/int8 groups of 32 (layout: ops/quant_linear.py).
 // x is quantized to int8 per (row, 32-block) once per call; each (row, group) dot product is exact in int32
 // (AVX2 maddubs/madd), then scaled in fp32: acc += (scale * dx) * isum + min * (dx * sum xq).
 // Two-level scales (K-quants) store uint8 sub-scales and -mins with an fp32 factor per 8 groups; a group's
 // scale is their fp32 product. A call whose x rows fit one row block (decode) multiplies it out per group
 // inside the tile kernel; larger calls multiply a tile's factors out once into fp32 for all its row blocks.
+// int6 (Q6_K) weighs each 16-value half's int16 pair sums by its int8 sub-scale inside the integer dot
+// product (madd), takes 32 * (sub-scale * sum xq) per half off for the values' offset, and scales the
+// exact int32 result by the group's super and dx.
 // Threads split the weight's 8-row tiles; within a thread a chunk of x rows stays in L2 while its tiles
 // stream by, and each tile-group of weights is unpacked once for up to kRowBlock x rows.
 #include <ATen/ATen.h>
@@ -28,6 +31,8 @@ using pagedserve_cpu::from_float;
 using pagedserve_cpu::to_float;
 
 constexpr int64_t kGroup = 32;
+constexpr int64_t kHalf = 16;             // values per int6 sub-scale
+constexpr int32_t kInt6Offset = 32;       // an int6 q stands for q - 32
 constexpr int64_t kSuper = 8;             // groups per two-level factor
 constexpr int64_t kTile = 8;              // output rows per weight tile
 constexpr int kRowBlock = 4;              // x rows sharing one unpacked tile-group (register budget)
@@ -45,12 +50,17 @@ struct Activations {
   std::vector<int8_t> q;     // [M, K]
   std::vector<float> dx;     // [M, G]
   std::vector<float> dx_sum; // [M, G] dx * sum(xq): what a group's min is multiplied by
+  std::vector<int32_t> half_sums;  // [M, G] sum(xq) of the group's two halves as int16s, first in the low one
 };
+
+inline int32_t pack_halves(int32_t first, int32_t second) {
+  return static_cast<int32_t>((static_cast<uint32_t>(second) << 16) | (static_cast<uint32_t>(first) & 0xFFFFu));
+}
 
 // The same fp32 operations as ops.quant_linear.quantize_activations (division, not a reciprocal), so
 // the integers agree exactly with the torch reference.
 template <typename T>
-void quantize_block(const T* x, int8_t* q, float* dx_out, float* dx_sum_out) {
+void quantize_block(const T* x, int8_t* q, float* dx_out, float* dx_sum_out, int32_t* halves_out) {
   float f[kGroup];
   float amax = 0.f;
   for (int i = 0; i < kGroup; ++i) {
@@ -58,7 +68,7 @@ void quantize_block(const T* x, int8_t* q, float* dx_out, float* dx_sum_out) {
     amax = std::max(amax, std::fabs(f[i]));
   }
   const float dx = amax / 127.f;
-  int32_t sum = 0;
+  int32_t first = 0, second = 0;   // sums of xq over values 0..15 and 16..31
   if (dx == 0.f) {
     std::fill(q, q + kGroup, int8_t{0});
   } else {
@@ -70,10 +80,12 @@ void quantize_block(const T* x, int8_t* q, float* dx_out, float* dx_sum_out) {
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       v[j] = _mm256_cvtps_epi32(r);
     }
-    __m256i s = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    // lane sums of [half 0 | half 1] pairs, then the two halves' totals in elements 0 and 1
+    const __m256i s = _mm256_hadd_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
     s4 = _mm_hadd_epi32(s4, s4);
-    sum = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+    first = _mm_cvtsi128_si32(s4);
+    second = _mm_extract_epi32(s4, 1);
     // packs interleave the 128-bit lanes; the permute puts the 32 values back in order
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
@@ -81,21 +93,23 @@ void quantize_block(const T* x, int8_t* q, float* dx_out, float* dx_sum_out) {
 #else
     for (int i = 0; i < kGroup; ++i) {
       q[i] = static_cast<int8_t>(std::nearbyint(f[i] / dx));
-      sum += q[i];
+      (i < kHalf ? first : second) += q[i];
     }
 #endif
   }
   *dx_out = dx;
-  *dx_sum_out = dx * static_cast<float>(sum);
+  *dx_sum_out = dx * static_cast<float>(first + second);
+  *halves_out = pack_halves(first, second);
 }
 
 template <typename T>
 Activations quantize_activations(const T* x, int64_t rows, int64_t k) {
   const int64_t groups = k / kGroup;
-  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups), std::vector<float>(rows * groups)};
+  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups), std::vector<float>(rows * groups),
+                std::vector<int32_t>(rows * groups)};
   at::parallel_for(0, rows * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      quantize_block(x + b * kGroup, a.q.data() + b * kGroup, &a.dx[b], &a.dx_sum[b]);
+      quantize_block(x + b * kGroup, a.q.data() + b * kGroup, &a.dx[b], &a.dx_sum[b], &a.half_sums[b]);
   });
   return a;
 }
@@ -108,12 +122,14 @@ struct TileArgs {
   const int8_t* xq;       // first x row, rows `k` apart
   const float* dx;        // [rows, G]
   const float* dx_sum;
+  const int32_t* half_sums;
   int64_t k, groups;
   // two-level factors as stored, for the kernel to multiply out per group (then scales and mins are unused)
   const uint8_t* subs = nullptr;
   const uint8_t* sub_mins = nullptr;
   const float* supers = nullptr;   // the tile's [G/8, count, 8]
   int64_t super_count = 1;
+  const int8_t* half_scales = nullptr;   // int6: the tile's [G, 8, 2] sub-scales (supers then has count 1)
 };
 
 #ifdef __AVX2__
@@ -239,13 +255,83 @@ void tile_int8(const TileArgs& a, float* out) {
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
 }
 
+// int6: the low nibbles are int4's layout and unpack alike; the top two bits of the values in 32-byte vector
+// p come from H[p / 2], shifted so that they land on bits 4-5. Sub-scales enter the integer sums: madd with
+// the half's sub-scale (rows p and p+4 in the two lanes) instead of ones.
+template <int MR>
+void tile_int6(const TileArgs& a, float* out) {
+  const auto* w = static_cast<const uint8_t*>(a.weight);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  // shuffle controls broadcasting, per lane, int16 element 2p (first half's sub-scale) or 2p + 1 (second's)
+  __m256i pick[4][2];
+  for (int p = 0; p < 4; ++p)
+    for (int h = 0; h < 2; ++h) {
+      const int8_t lo = static_cast<int8_t>(4 * p + 2 * h);
+      pick[p][h] = _mm256_setr_epi8(lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo,
+                                    lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1,
+                                    lo, lo + 1, lo, lo + 1, lo, lo + 1);
+    }
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    const uint8_t* wg = w + g * 192;
+    prefetch_lines(wg, 3);
+    __m256i lo_x[MR], hi_x[MR], pairs[MR][4];
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xr = a.xq + r * a.k + g * kGroup;
+      lo_x[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr)));
+      hi_x[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16)));
+    }
+    // int16 sub-scales: lane 0 rows 0..3, lane 1 rows 4..7, each row's (first, second) half side by side
+    const __m256i sub = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.half_scales + g * 16)));
+    const __m256i high[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 128)),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 160))};
+    for (int p = 0; p < 4; ++p) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
+      const __m256i h = high[p / 2];
+      __m256i lo_top, hi_top;   // bits 4-5 of the values in the low and the high nibbles
+      if (p % 2 == 0) {
+        lo_top = _mm256_slli_epi16(h, 4);
+        hi_top = _mm256_slli_epi16(h, 2);
+      } else {
+        lo_top = h;
+        hi_top = _mm256_srli_epi16(h, 2);
+      }
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, nibble), _mm256_and_si256(lo_top, top));
+      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), _mm256_and_si256(hi_top, top));
+      const __m256i sub_lo = _mm256_shuffle_epi8(sub, pick[p][0]), sub_hi = _mm256_shuffle_epi8(sub, pick[p][1]);
+      for (int r = 0; r < MR; ++r)
+        // u6 * s8 pair sums stay below 2 * 63 * 127, and times an int8 sub-scale within int32
+        pairs[r][p] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, lo_x[r]), sub_lo),
+                                       _mm256_madd_epi16(_mm256_maddubs_epi16(hi, hi_x[r]), sub_hi));
+    }
+    const __m256 super = _mm256_loadu_ps(a.supers + (g / kSuper) * kTile);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = r * a.groups + g;
+      // per row: first sub-scale * first half's sum xq + second * second's, the offset's share
+      const __m256i offset = _mm256_madd_epi16(sub, _mm256_set1_epi32(a.half_sums[at]));
+      const __m256i isum = _mm256_sub_epi32(
+          _mm256_hadd_epi32(_mm256_hadd_epi32(pairs[r][0], pairs[r][1]), _mm256_hadd_epi32(pairs[r][2], pairs[r][3])),
+          _mm256_slli_epi32(offset, 5));
+      acc[r] = group_sum_to_acc(isum, super, super, false, a.dx[at], 0.f, acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
+}
+
 #else  // portable path for hosts without AVX2: same layout, scalar loops
 
 inline int32_t weight_q(const void* weight, int bits, int64_t g, int row, int i) {
   if (bits == 8) return static_cast<const int8_t*>(weight)[g * 256 + row * kGroup + i];
   static constexpr int kSlot[kTile] = {0, 2, 4, 6, 1, 3, 5, 7};  // storage position of row 0..7
-  const uint8_t byte = static_cast<const uint8_t*>(weight)[g * 128 + kSlot[row] * 16 + i % 16];
-  return i < 16 ? (byte & 0x0F) : (byte >> 4);
+  const auto* tile_group = static_cast<const uint8_t*>(weight) + g * (bits == 4 ? 128 : 192);
+  const int slot = kSlot[row], j = i % 16;
+  const uint8_t byte = tile_group[slot * 16 + j];
+  const int32_t low = i < 16 ? (byte & 0x0F) : (byte >> 4);
+  if (bits == 4) return low;
+  // slot 4i + 2v + lane: H[i], vector v's code in bits 4v.., the high nibble's two bits above the low one's
+  const uint8_t code = tile_group[128 + (slot / 4) * 32 + (slot % 2) * 16 + j] >> (4 * ((slot / 2) % 2));
+  return low | (((i < 16 ? code : code >> 2) & 3) << 4);
 }
 
 // which = 0: scale, 1: min of (group g, tile row `row`)
@@ -259,6 +345,18 @@ template <int MR>
 void tile_scalar(const TileArgs& a, int bits, float* out) {
   const bool has_mins = a.mins != nullptr || a.sub_mins != nullptr;
   std::fill(out, out + MR * kTile, 0.f);
+  if (bits == 6) {
+    for (int64_t g = 0; g < a.groups; ++g)
+      for (int r = 0; r < MR; ++r)
+        for (int row = 0; row < kTile; ++row) {
+          const int8_t* xr = a.xq + r * a.k + g * kGroup;
+          int32_t isum = 0;
+          for (int i = 0; i < kGroup; ++i)
+            isum += a.half_scales[(g * kTile + row) * 2 + i / kHalf] * (weight_q(a.weight, 6, g, row, i) - kInt6Offset) * xr[i];
+          out[r * kTile + row] += a.supers[(g / kSuper) * kTile + row] * a.dx[r * a.groups + g] * static_cast<float>(isum);
+        }
+    return;
+  }
   for (int64_t g = 0; g < a.groups; ++g)
     for (int r = 0; r < MR; ++r)
       for (int row = 0; row < kTile; ++row) {
@@ -277,6 +375,7 @@ template <int MR>
 void run_tile(const TileArgs& a, int bits, float* out) {
 #ifdef __AVX2__
   if (bits == 4) tile_int4<MR>(a, out);
+  else if (bits == 6) tile_int6<MR>(a, out);
   else tile_int8<MR>(a, out);
 #else
   tile_scalar<MR>(a, bits, out);
@@ -296,7 +395,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                         const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& supers,
                         int64_t bits, int64_t out_features) {
   const char* op = "pagedserve_cpu::quant_linear";
-  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits=", bits, "; allowed: 4, 8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, op, ": bits=", bits, "; allowed: 4, 6, 8");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kGroup == 0, op,
               ": x must be contiguous [M, K] with K a multiple of 32, got ", x.sizes());
   const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup, tiles = qweight.size(0);
@@ -306,12 +405,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
               op, ": qweight must be contiguous 1-byte [tiles, ", groups, ", ", group_bytes, "], got ", qweight.sizes());
   const bool has_mins = mins.has_value() && mins->defined();
   const bool two_level = supers.has_value() && supers->defined();
-  const auto factor_type = two_level ? at::kByte : at::kFloat;
+  const bool int6 = bits == 6;
+  TORCH_CHECK(!int6 || (two_level && !has_mins), op, ": bits=6 needs supers and takes no mins");
+  const auto factor_type = int6 ? at::kChar : two_level ? at::kByte : at::kFloat;
+  const int64_t factor_dim = int6 ? 4 : 3;   // int6: a sub-scale per half group, [tiles, groups, 8, 2]
   for (const at::Tensor* t : {&scales, has_mins ? &*mins : &scales})
-    TORCH_CHECK(t->scalar_type() == factor_type && t->is_contiguous() && t->dim() == 3 && t->size(0) == tiles &&
-                    t->size(1) == groups && t->size(2) == kTile,
-                op, ": scales and mins must be contiguous ", factor_type, " [", tiles, ", ", groups, ", 8], got ",
-                t->scalar_type(), " ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == factor_type && t->is_contiguous() && t->dim() == factor_dim &&
+                    t->size(0) == tiles && t->size(1) == groups && t->size(2) == kTile && (!int6 || t->size(3) == 2),
+                op, ": scales and mins must be contiguous ", factor_type, " [", tiles, ", ", groups, ", 8",
+                int6 ? ", 2]" : "]", ", got ", t->scalar_type(), " ", t->sizes());
   const int64_t super_count = has_mins ? 2 : 1;
   if (two_level)
     TORCH_CHECK(groups % kSuper == 0 && supers->scalar_type() == at::kFloat && supers->is_contiguous() &&
@@ -327,15 +429,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     const Activations act = quantize_activations(static_cast<const scalar_t*>(x.data_ptr()), rows, k);
     auto* y = static_cast<scalar_t*>(out.data_ptr());
     const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
-    // two-level: uint8 sub-values and their supers; flat: the fp32 factors themselves
-    const auto* subs = two_level ? scales.data_ptr<uint8_t>() : nullptr;
+    // two-level: uint8 (int6: int8) sub-values and their supers; flat: the fp32 factors themselves
+    const auto* subs = two_level ? static_cast<const uint8_t*>(scales.data_ptr()) : nullptr;
     const auto* sub_mins = two_level && has_mins ? mins->data_ptr<uint8_t>() : nullptr;
     const float* sup = two_level ? supers->data_ptr<float>() : nullptr;
     const float* flat_scales = two_level ? nullptr : scales.data_ptr<float>();
     const float* flat_mins = !two_level && has_mins ? mins->data_ptr<float>() : nullptr;
     const int64_t tile_factors = groups * kTile;
     const int64_t chunk = std::max<int64_t>(kRowBlock, kChunkBytes / k / kRowBlock * kRowBlock);
-    const bool in_kernel = two_level && rows <= kRowBlock;   // see expand_factors
+    const bool in_kernel = int6 || (two_level && rows <= kRowBlock);   // see expand_factors
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       float acc[kRowBlock * kTile];
       std::vector<float> expanded(two_level && !in_kernel ? tile_factors * super_count : 0);
@@ -343,9 +445,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
         const int64_t m_end = std::min(rows, m0 + chunk);
         for (int64_t t = begin; t < end; ++t) {
           const int64_t n0 = t * kTile, valid = std::min(kTile, out_features - n0);
-          TileArgs args{w + t * groups * group_bytes, nullptr, nullptr, nullptr, nullptr, nullptr, k, groups};
+          TileArgs args{w + t * groups * group_bytes, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, k, groups};
           const float* tile_supers = two_level ? sup + t * (groups / kSuper) * super_count * kTile : nullptr;
-          if (in_kernel) {
+          if (int6) {
+            args.half_scales = reinterpret_cast<const int8_t*>(subs) + t * tile_factors * 2;
+            args.supers = tile_supers;
+          } else if (in_kernel) {
             args.subs = subs + t * tile_factors;
             args.sub_mins = has_mins ? sub_mins + t * tile_factors : nullptr;
             args.supers = tile_supers;
@@ -367,6 +472,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
             args.xq = act.q.data() + m * k;
             args.dx = act.dx.data() + m * groups;
             args.dx_sum = act.dx_sum.data() + m * groups;
+            args.half_sums = act.half_sums.data() + m * groups;
             run_rows(args, static_cast<int>(bits), block, acc);
             for (int r = 0; r < block; ++r)
               for (int64_t j = 0; j < valid; ++j) y[(m + r) * out_features + n0 + j] = from_float<scalar_t>(acc[r * kTile + j]);
