@@ -19,13 +19,13 @@ from engine.loading import gguf_quant
 from engine.kv.pool import KVPool, KVShape
 from engine.loading.checkpoint import group_tensor_names, open_checkpoint
 from engine.loading.model_config import parse_model_config
-from engine.models.linear import LinearLoader
+from engine.models.linear import LinearLoader, LinearParts, linear, weight_nbytes
 from engine.models.qwen3 import DenseDecoder
 import engine.loading.gguf as gguf_module
 from engine.loading.gguf import gguf_to_hf_dir
 from gguf_writer import write_gguf
 from tiny_models import make_hybrid_checkpoint, whole_prompt_batch
-from ops.quant_linear import GROUP, QuantizedWeight, quantize_int4, quantize_int8
+from ops.quant_linear import QuantizedWeight, quant_linear, quantize_int4, quantize_int8
 from test_gguf import SHARED, SHARED_FILES
 
 K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
@@ -158,24 +158,32 @@ class _StoredWeights:
         return self.weights[name]
 
 
-def test_auto_keeps_each_stored_format_and_mixed_fused_parts_meet_in_int8():
-    """Q4_K_M's pattern: attn_q/attn_k Q4_K with attn_v Q6_K fused into one layer, ffn_down Q6_K alone."""
+def test_auto_keeps_each_stored_format_in_fused_layers():
+    """Q4_K_M's pattern: attn_q/attn_k Q4_K fused with a Q6_K attn_v, ffn_down Q6_K alone. Each run of
+    parts in one format is one weight, every weight exactly as stored; a dense part next to quantized
+    ones meets them in int8."""
     g = torch.Generator().manual_seed(0)
     int4 = [quantize_int4(torch.randn(16, 256, generator=g)) for _ in range(2)]
     q6 = torch.randint(0, 64, (16, 256), generator=g, dtype=torch.uint8)
     scales6 = torch.randint(-128, 128, (16, 16), generator=g, dtype=torch.int8)
     int6 = QuantizedWeight.from_groups(q6, scales6, None, 6, torch.full((16, 1, 1), 1e-3))
-    loader = LinearLoader(_StoredWeights({"q": int4[0], "k": int4[1], "v": int6, "down": int6}), torch.float32,
-                          torch.device("cpu"), "auto")
+    dense = torch.randn(16, 256, generator=g)
+    loader = LinearLoader(_StoredWeights({"q": int4[0], "k": int4[1], "v": int6, "down": int6, "dense": dense}),
+                          torch.float32, torch.device("cpu"), "auto")
     qkv = loader.load([("q", 16, 256), ("k", 16, 256), ("v", 16, 256)])
+    assert isinstance(qkv, LinearParts) and [p.bits for p in qkv.parts] == [4, 6]
+    assert torch.equal(qkv.parts[0].dequantize(), torch.cat([w.dequantize() for w in int4]))
+    assert torch.equal(qkv.parts[1].dequantize(), int6.dequantize())
+    x, bias = torch.randn(3, 256, generator=g), torch.randn(48, generator=g)
+    expected = torch.cat([quant_linear(x, w) for w in (*int4, int6)], dim=-1) + bias
+    torch.testing.assert_close(linear(x, qkv, bias), expected, rtol=1e-5, atol=1e-5)
+    assert weight_nbytes(qkv) == sum(w.nbytes for w in int4) + int6.nbytes
     down = loader.load([("down", 16, 256)])
-    assert down.bits == 6 and torch.equal(down.qweight, int6.qweight) and torch.equal(down.scales, int6.scales)
-    assert qkv.bits == 8
-    widened = qkv.dequantize()
-    assert torch.equal(widened[:32], torch.cat([w.dequantize() for w in int4]))     # int4 widens exactly
-    half_step = qkv.flat_groups()[1][32:].repeat_interleave(GROUP, dim=1) / 2
-    assert bool(((widened[32:] - int6.dequantize()).abs() <= half_step * (1 + 1e-5)).all())
-    assert loader.describe() == "int8 g32x8 asym x1, int6 g16x16 sym x1"
+    assert down.bits == 6 and torch.equal(down.dequantize(), int6.dequantize())
+    mixed = loader.load([("q", 16, 256), ("dense", 16, 256)])
+    assert isinstance(mixed, QuantizedWeight) and mixed.bits == 8
+    assert torch.equal(mixed.dequantize()[:16], int4[0].dequantize())       # int4 widens exactly
+    assert loader.describe() == "int6 g16x16 sym x2, int4 g32x8 asym x1, int8 g32x8 asym x1"
 
 
 @pytest.mark.parametrize("path", [p for p in SHARED_FILES if "F32" not in p.name], ids=lambda p: p.name)
