@@ -178,7 +178,7 @@ class QuantizedWeight:
         def rows_padded(t: Tensor) -> Tensor:
             return torch.nn.functional.pad(t.cpu(), (0, 0) * (t.dim() - 1) + (0, pad))
         if bits == 6:
-            scales = scales.view(n, groups, GROUP // HALF)       # a group's two halves stay side by side
+            scales = scales.reshape(n, groups, GROUP // HALF)    # a group's two halves stay side by side
         tiled = [None if t is None else _tile_per_group(rows_padded(t)) for t in (scales, mins)]
         return cls(bits, n, k, _pack(rows_padded(q), bits), tiled[0], tiled[1],
                    None if supers is None else _tile_supers(rows_padded(supers)))

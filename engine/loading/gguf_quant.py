@@ -113,12 +113,12 @@ def groups(data: np.ndarray, kind: T, shape: tuple[int, int]) -> tuple[torch.Ten
     supers = unpacked[3] if len(unpacked) == 4 else None
 
     def per_row(a: np.ndarray | None, count: int) -> torch.Tensor | None:
+        """[rows, count] values, or [rows, count, S] where each has S parts (supers: scale and min)."""
         return None if a is None else torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, count, -1)
     per = HALF if kind == T.Q6_K else GROUP
-    if supers is not None:
-        supers = per_row(supers, cols // QK_K)
-    return (torch.from_numpy(np.ascontiguousarray(q)).reshape(rows, cols), per_row(scales, cols // per).squeeze(-1),
-            None if mins is None else per_row(mins, cols // GROUP).squeeze(-1), supers)
+    return (per_row(q, cols)[..., 0], per_row(scales, cols // per)[..., 0],
+            None if mins is None else per_row(mins, cols // GROUP)[..., 0],
+            None if supers is None else per_row(supers, cols // QK_K))
 
 
 def bits_of(kind: T) -> int:
