@@ -137,6 +137,7 @@ def _build(cfg: EngineConfig, progress) -> Engine:
         model = DenseDecoder(model_cfg, ckpt, dtype, device,
                              LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))
         kv_layers, state_shape = model_cfg.num_layers, None
+    ckpt.close()
     num_slots = plan_num_state_slots(cfg.max_concurrency, cfg.state_spare_slots) if state_shape else 0
     shape = KVShape(kv_layers, model_cfg.num_kv_heads, model_cfg.head_dim, cfg.block_size, dtype)
     blocks = plan_num_blocks(shape, kv_pool_tokens=cfg.kv_pool_tokens,

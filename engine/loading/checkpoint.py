@@ -1,7 +1,7 @@
 """Hugging Face checkpoint directories: config.json plus safetensors weights (one file or shards).
 
 Weights are memory-mapped with `safetensors.safe_open`; a tensor is read, checked against the shape
-the model expects and cast to the run dtype only when the model asks for it.
+the model expects and cast to the run dtype (into process memory) only when the model asks for it.
 """
 from __future__ import annotations
 
@@ -110,15 +110,27 @@ class Checkpoint:
     def _stored_dtype(self, name: str) -> str:
         """The safetensors dtype name ("I8", "F32", ...) of a tensor, without reading it."""
         file, stored = self._locate(name)
-        return self._handles[file].get_slice(stored).get_dtype()
+        return self._handle(file).get_slice(stored).get_dtype()
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            raise CheckpointError(f"{file}: the checkpoint was closed after loading; open it again to read it")
+        return self._handles[file]
+
+    def close(self) -> None:
+        """Unmap the files. What `get` returned was copied out, so once a model is built the mapped pages
+        are only memory held (the default model kept 2.6 GB of them mapped)."""
+        self._handles.clear()
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The tensor `name`, checked to have `shape`, cast once to `dtype`, contiguous."""
-        return self._read(name, shape).to(dtype).contiguous()
+        """The tensor `name`, checked to have `shape`, cast once to `dtype`, contiguous, and copied out
+        of the file mapping: a view of it would read its pages from disk the first time a step touches
+        them (the default model's embedding rows of 8 new token ids took 8 ms; 72 ms at worst)."""
+        return self._read(name, shape).to(dtype, copy=True).contiguous()
 
     def _read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         file, stored = self._locate(name)
-        handle = self._handles[file]
+        handle = self._handle(file)
         try:
             found = tuple(handle.get_slice(stored).get_shape())
             if found != tuple(shape):
