@@ -72,13 +72,16 @@ def test_every_block_format_repacks(gguf_files):
 @pytest.mark.parametrize("path", [p for p in SHARED_FILES if "F32" not in p.name], ids=lambda p: p.name)
 def test_kept_checkpoint_holds_the_widened_weights(path, tmp_path):
     """The quantized cache entry's names, shapes and row order (llama's Q/K permutation undone) agree
-    with the widened entry of the same file, weight by weight."""
+    with the widened entry of the same file, weight by weight. The embedding table stays dense for its
+    row lookups; a tied one is the output head too and is also kept in group form."""
     cache = tmp_path / "cache"
     kept = open_checkpoint(gguf_to_hf_dir(path, "float32", cache_root=cache, keep_quantized=True))
     widened = load_file(str(gguf_to_hf_dir(path, "float32", cache_root=cache) / "model.safetensors"))
     types = {gguf_module._hf_name(t.name): t.tensor_type for t in GGUFReader(path).tensors}
     quantized = [name for name in widened if kept.is_quantized(name)]
-    assert quantized and not kept.is_quantized("model.embed_tokens.weight")
+    embed = "model.embed_tokens.weight"
+    assert quantized and kept.is_quantized(embed) == kept.config["tie_word_embeddings"]
+    assert torch.equal(kept.get(embed, tuple(widened[embed].shape), torch.float32), widened[embed])
     for name in quantized:
         weight = kept.get_linear(name, tuple(widened[name].shape), torch.float32)
         assert isinstance(weight, QuantizedWeight)
@@ -190,6 +193,19 @@ def test_auto_keeps_each_stored_format_in_fused_layers():
 def test_gguf_model_runs_quantized(path, tmp_path, record_property):
     kept = str(gguf_to_hf_dir(path, "float32", cache_root=tmp_path / "cache", keep_quantized=True))
     _check_close_to_dense(kept, record_property, path.stem)
+
+
+def test_tied_gguf_runs_its_output_head_quantized(tmp_path):
+    """With tied embeddings the table is the output head: under `auto` the head multiplies the file's
+    Q6_K blocks (int6) while lookups read the dense table, both the same weights."""
+    kept = gguf_to_hf_dir(SHARED / "qwen2-Q4_K-tied.gguf", "float32", cache_root=tmp_path / "cache",
+                          keep_quantized=True)
+    llm = LLM(model=str(kept), dtype="float32", max_model_len=64, kv_pool_tokens=256)
+    model = llm.engine.model
+    assert isinstance(model.lm_head, QuantizedWeight) and model.lm_head.bits == 6
+    assert isinstance(model.embed, torch.Tensor) and torch.equal(model.lm_head.dequantize(), model.embed)
+    assert "int6 g16x16 sym x1" in llm.engine.weights
+    llm.close()
 
 
 def _write_prequantized(source: Path, out: Path, mode: str, group: int) -> Path:
