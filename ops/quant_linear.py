@@ -17,7 +17,9 @@ T = ceil(N / 8) tiles, G = K / 32 groups:
           q[k=j+16] in its high one; rows stored in the order 0,4,1,5,2,6,3,7 so that one 32-byte load
           holds rows (p, p+4) and a three-step horizontal add yields the 8 row sums in order.
     scales, mins: float32 [T, G, 8]: the 8 rows' values of a group are one vector load.
-    int6: qweight uint8 [T, G, 192]: bytes 0..127 are the low nibbles in the int4 layout; bytes 128..191
+    int6: qweight uint8 [T, G, 192]: bytes 0..127 are the low nibbles in the int4 layout, of the group's values
+          taken in the order 0..7, 16..23, 8..15, 24..31 (so the values sharing a byte, and each int16 pair
+          sum of a lane, belong to one 16-value half and its sub-scale); bytes 128..191
           hold the top two bits as two 32-byte vectors, H0 for the int4 layout's 32-byte vectors 0 and 1
           and H1 for vectors 2 and 3: bits 0-1 of a byte belong to the value in the low nibble of the same
           byte position in the first of those vectors, bits 2-3 to its high nibble, bits 4-5 and 6-7 to
@@ -56,6 +58,7 @@ _Q_DTYPE = {4: torch.uint8, 6: torch.uint8, 8: torch.int8}
 _Q_RANGE = {4: (0, 15), 6: (0, 63), 8: (-128, 127)}
 SUPER = 8                   # groups sharing one super value in two-level scales (256 values, QK_K)
 HALF = GROUP // 2           # values per int6 sub-scale
+_INT6_ORDER = (*range(8), *range(16, 24), *range(8, 16), *range(24, 32))   # its own inverse
 INT6_OFFSET = 32            # an int6 q stands for q - 32
 
 
@@ -82,6 +85,8 @@ def _pack(q: Tensor, bits: int) -> Tensor:
     rows = q.view(tiles, ROW_TILE, groups, GROUP).permute(0, 2, 1, 3)       # [T, G, 8, 32]
     if bits == 8:
         return rows.contiguous().view(tiles, groups, _GROUP_BYTES[8])
+    if bits == 6:
+        rows = rows[..., list(_INT6_ORDER)]
     packed = _pair_up(rows & 0x0F, 4).reshape(tiles, groups, 128)
     if bits == 6:
         # 4-bit codes of the top bits per byte position of the low nibbles, [T, G, H0/H1, vector, 32]
@@ -101,7 +106,7 @@ def _unpack(qweight: Tensor, bits: int) -> Tensor:
         if bits == 6:
             high = qweight[..., 128:].reshape(tiles, groups, 2, 1, 32)
             codes = torch.cat([high & 0x0F, high >> 4], dim=3).reshape(tiles, groups, ROW_TILE, HALF)
-            rows = rows | (_split_pairs(codes, 2) << 4)
+            rows = (rows | (_split_pairs(codes, 2) << 4))[..., list(_INT6_ORDER)]
     return rows.permute(0, 2, 1, 3).reshape(tiles * ROW_TILE, groups * GROUP)
 
 

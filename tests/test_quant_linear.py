@@ -105,10 +105,12 @@ def test_int6_round_trips_and_dequantizes_to_q6_k_formula(n):
     padded = -(-n // 8) * 8
     assert w.nbytes == padded * k * 6 // 8 + padded * (k // HALF) + padded * (k // 256) * 4
     one = torch.zeros(8, 256, dtype=torch.uint8)
-    one[1, 19] = 0b110000         # row 1 = second lane-0 row of the int4 order; k = 19 is a high nibble
+    one[1, 19] = 0b110000   # row 1: vector 1, lane 0; value 19 sits in the low nibble of byte 11 (order 0..7, 16..23, ...)
+    one[4, 9] = 0b100000    # row 4: vector 0, lane 1; value 9 in the high nibble of byte 1
     top = QuantizedWeight.from_groups(one, scales[:1].repeat(8, 1)[:, :16], None, 6, supers[:1, :1].repeat(8, 1, 1))
     high = top.qweight[0, 0, 128:]
-    assert high.nonzero().flatten().tolist() == [3] and int(high[3]) == 0b11 << 6   # H0, vector 1, bits 6-7
+    assert high.nonzero().flatten().tolist() == [11, 17]
+    assert int(high[11]) == 0b11 << 4 and int(high[17]) == 0b10 << 2   # H0: second vector's low, first's high
 
 
 @pytest.mark.parametrize("group_size", (32, 64, 128))

@@ -4,9 +4,10 @@
 // Two-level scales (K-quants) store uint8 sub-scales and -mins with an fp32 factor per 8 groups; a group's
 // scale is their fp32 product. A call whose x rows fit one row block (decode) multiplies it out per group
 // inside the tile kernel; larger calls multiply a tile's factors out once into fp32 for all its row blocks.
-// int6 (Q6_K) weighs each 16-value half's int16 pair sums by its int8 sub-scale inside the integer dot
-// product (madd), takes 32 * (sub-scale * sum xq) per half off for the values' offset, and scales the
-// exact int32 result by the group's super and dx.
+// int6 (Q6_K) stores a group's values so that each int16 pair sum of the low and the high nibbles comes
+// from one 16-value half (x is permuted to match), weighs those sums by the half's int8 sub-scale inside the
+// integer dot product (madd), takes 32 * (sub-scale * sum xq) per half off for the values' offset, and scales
+// the exact int32 result by the group's super and dx.
 // Threads split the weight's 8-row tiles; within a thread a chunk of x rows stays in L2 while its tiles
 // stream by, and each tile-group of weights is unpacked once for up to kRowBlock x rows.
 #include <ATen/ATen.h>
@@ -102,14 +103,25 @@ void quantize_block(const T* x, int8_t* q, float* dx_out, float* dx_sum_out, int
   *halves_out = pack_halves(first, second);
 }
 
+// int6 weights hold a group's values in the order 0..7, 16..23, 8..15, 24..31 (ops/quant_linear.py); its x
+// blocks are stored in the same order: the middle 8-byte quarters swap places.
+inline void swap_middle_quarters(int8_t* block) {
+  int8_t tmp[8];
+  std::copy_n(block + 8, 8, tmp);
+  std::copy_n(block + 16, 8, block + 8);
+  std::copy_n(tmp, 8, block + 16);
+}
+
 template <typename T>
-Activations quantize_activations(const T* x, int64_t rows, int64_t k) {
+Activations quantize_activations(const T* x, int64_t rows, int64_t k, bool int6_order) {
   const int64_t groups = k / kGroup;
   Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups), std::vector<float>(rows * groups),
                 std::vector<int32_t>(rows * groups)};
   at::parallel_for(0, rows * groups, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
+    for (int64_t b = begin; b < end; ++b) {
       quantize_block(x + b * kGroup, a.q.data() + b * kGroup, &a.dx[b], &a.dx_sum[b], &a.half_sums[b]);
+      if (int6_order) swap_middle_quarters(a.q.data() + b * kGroup);
+    }
   });
   return a;
 }
@@ -255,22 +267,21 @@ void tile_int8(const TileArgs& a, float* out) {
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
 }
 
-// int6: the low nibbles are int4's layout and unpack alike; the top two bits of the values in 32-byte vector
-// p come from H[p / 2], shifted so that they land on bits 4-5. Sub-scales enter the integer sums: madd with
-// the half's sub-scale (rows p and p+4 in the two lanes) instead of ones.
+// int6: the low nibbles unpack like int4's; the top two bits of the values in 32-byte vector p come from
+// H[p / 2], shifted so that they land on bits 4-5. Pair sums 0..3 of a lane's low and high nibbles are the
+// first half's values, 4..7 the second's, so their int16 sum (below 2 * 2 * 63 * 127 = 32004) takes one madd
+// with the row's two sub-scales (rows p and p+4 in the two lanes), as int4's takes one with ones.
 template <int MR>
 void tile_int6(const TileArgs& a, float* out) {
   const auto* w = static_cast<const uint8_t*>(a.weight);
   const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
-  // shuffle controls broadcasting, per lane, int16 element 2p (first half's sub-scale) or 2p + 1 (second's)
-  __m256i pick[4][2];
-  for (int p = 0; p < 4; ++p)
-    for (int h = 0; h < 2; ++h) {
-      const int8_t lo = static_cast<int8_t>(4 * p + 2 * h);
-      pick[p][h] = _mm256_setr_epi8(lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo,
-                                    lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1,
-                                    lo, lo + 1, lo, lo + 1, lo, lo + 1);
-    }
+  // shuffle controls: per lane, int16 element 2p (first half's sub-scale) four times, then 2p + 1 four times
+  __m256i pick[4];
+  for (int p = 0; p < 4; ++p) {
+    const int8_t f = static_cast<int8_t>(4 * p), s = static_cast<int8_t>(4 * p + 2);
+    pick[p] = _mm256_setr_epi8(f, f + 1, f, f + 1, f, f + 1, f, f + 1, s, s + 1, s, s + 1, s, s + 1, s, s + 1,
+                               f, f + 1, f, f + 1, f, f + 1, f, f + 1, s, s + 1, s, s + 1, s, s + 1, s, s + 1);
+  }
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
@@ -299,11 +310,10 @@ void tile_int6(const TileArgs& a, float* out) {
       }
       const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, nibble), _mm256_and_si256(lo_top, top));
       const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), _mm256_and_si256(hi_top, top));
-      const __m256i sub_lo = _mm256_shuffle_epi8(sub, pick[p][0]), sub_hi = _mm256_shuffle_epi8(sub, pick[p][1]);
+      const __m256i scales = _mm256_shuffle_epi8(sub, pick[p]);
       for (int r = 0; r < MR; ++r)
-        // u6 * s8 pair sums stay below 2 * 63 * 127, and times an int8 sub-scale within int32
-        pairs[r][p] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, lo_x[r]), sub_lo),
-                                       _mm256_madd_epi16(_mm256_maddubs_epi16(hi, hi_x[r]), sub_hi));
+        pairs[r][p] = _mm256_madd_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, lo_x[r]), _mm256_maddubs_epi16(hi, hi_x[r])), scales);
     }
     const __m256 super = _mm256_loadu_ps(a.supers + (g / kSuper) * kTile);
     for (int r = 0; r < MR; ++r) {
@@ -325,13 +335,15 @@ inline int32_t weight_q(const void* weight, int bits, int64_t g, int row, int i)
   if (bits == 8) return static_cast<const int8_t*>(weight)[g * 256 + row * kGroup + i];
   static constexpr int kSlot[kTile] = {0, 2, 4, 6, 1, 3, 5, 7};  // storage position of row 0..7
   const auto* tile_group = static_cast<const uint8_t*>(weight) + g * (bits == 4 ? 128 : 192);
-  const int slot = kSlot[row], j = i % 16;
+  // int6 stores value i where the int4 layout has value 0..7, 16..23, 8..15, 24..31's i-th (an involution)
+  const int at = bits == 6 && i >= 8 && i < 24 ? (i < 16 ? i + 8 : i - 8) : i;
+  const int slot = kSlot[row], j = at % 16;
   const uint8_t byte = tile_group[slot * 16 + j];
-  const int32_t low = i < 16 ? (byte & 0x0F) : (byte >> 4);
+  const int32_t low = at < 16 ? (byte & 0x0F) : (byte >> 4);
   if (bits == 4) return low;
   // slot 4i + 2v + lane: H[i], vector v's code in bits 4v.., the high nibble's two bits above the low one's
   const uint8_t code = tile_group[128 + (slot / 4) * 32 + (slot % 2) * 16 + j] >> (4 * ((slot / 2) % 2));
-  return low | (((i < 16 ? code : code >> 2) & 3) << 4);
+  return low | (((at < 16 ? code : code >> 2) & 3) << 4);
 }
 
 // which = 0: scale, 1: min of (group g, tile row `row`)
@@ -426,7 +438,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   auto out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
   PAGEDSERVE_DISPATCH_F32_BF16(x.scalar_type(), op, [&] {
-    const Activations act = quantize_activations(static_cast<const scalar_t*>(x.data_ptr()), rows, k);
+    // the scalar path reads weights in value order (weight_q), so x keeps its own order there
+#ifdef __AVX2__
+    const bool int6_order = int6;
+#else
+    const bool int6_order = false;
+#endif
+    const Activations act = quantize_activations(static_cast<const scalar_t*>(x.data_ptr()), rows, k, int6_order);
     auto* y = static_cast<scalar_t*>(out.data_ptr());
     const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
     // two-level: uint8 (int6: int8) sub-values and their supers; flat: the fp32 factors themselves
