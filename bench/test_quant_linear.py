@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import ops.cpu
-from ops.quant_linear import GROUP, HALF, QuantizedWeight, quant_linear, quantize_int4, quantize_int8
+from ops.quant_linear import quant_linear
+from ops.quant_weight import GROUP, HALF, QuantizedWeight, quantize_int4, quantize_int8
 from decode_steps import Timed
 
 SHAPES = ((8960, 1536), (1536, 8960))      # (out_features, in_features): gate/up and down projections

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ops import OpInputError
-from ops.quant_linear import (GROUP, HALF, SUPER, QuantError, QuantizedWeight, quant_linear, quantize_int4,
-                              quantize_int8, reference_quant_linear)
+from ops.quant_linear import quant_linear, reference_quant_linear
+from ops.quant_weight import GROUP, HALF, SUPER, QuantError, QuantizedWeight, quantize_int4, quantize_int8
 
 Ms = (0, 1, 2, 3, 5, 8, 17, 64, 300)      # 300 rows at K=1024 span two of the kernel's x chunks
 SHAPES = ((40, 32), (12, 96), (13, 512), (200, 1024))      # (N, K)

@@ -25,7 +25,8 @@ import engine.loading.gguf as gguf_module
 from engine.loading.gguf import gguf_to_hf_dir
 from gguf_writer import write_gguf
 from tiny_models import make_hybrid_checkpoint, whole_prompt_batch
-from ops.quant_linear import QuantizedWeight, quant_linear, quantize_int4, quantize_int8
+from ops.quant_linear import quant_linear
+from ops.quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 from test_gguf import SHARED, SHARED_FILES
 
 K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
@@ -209,7 +210,7 @@ def test_tied_gguf_runs_its_output_head_quantized(tmp_path):
 
 
 def _write_prequantized(source: Path, out: Path, mode: str, group: int) -> Path:
-    """`source` with every linear weight stored in group form, quantized by ops.quant_linear."""
+    """`source` with every linear weight stored in group form, quantized by ops.quant_weight."""
     shutil.copytree(source, out)
     tensors = load_file(str(out / "model.safetensors"))
     quantize = quantize_int8 if mode == "int8" else quantize_int4

@@ -19,7 +19,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def group_tensor_names(name: str) -> tuple[str, str, str, str]:
-    """The stored names of a weight kept in group form (ops/quant_linear.py: w = scale * q + min):
+    """The stored names of a weight kept in group form (ops/quant_weight.py: w = scale * q + min):
     integer values [N, K] (uint8 = int4 values, int8 = int8), then float32 scales and mins [N, K/32]
     (mins absent when zero); or, with two-level scales, uint8 sub-scales and sub-mins and float32
     supers [N, K/256, 1 or 2]. uint8 values with int8 sub-scales [N, K/16] are int6 (Q6_K's form)."""
@@ -84,7 +84,7 @@ class Checkpoint:
         else the dense tensor in `dtype`."""
         if not self.is_quantized(name):
             return self.get(name, shape, dtype)
-        from ops.quant_linear import GROUP, HALF, SUPER, QuantError, QuantizedWeight
+        from ops.quant_weight import GROUP, HALF, SUPER, QuantError, QuantizedWeight
 
         values, scales, mins, supers = group_tensor_names(name)
         q = self._read(values, shape)

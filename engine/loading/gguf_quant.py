@@ -1,6 +1,6 @@
 """GGUF quantized blocks -> pagedserve's group form: integer values `q`, a scale and a min per 32 values.
 
-The group form means w = scale * q + min (ops/quant_linear.py). Every block format whose sub-blocks
+The group form means w = scale * q + min (ops/quant_weight.py). Every block format whose sub-blocks
 hold 32 values maps onto it with the format's own numbers, so the weights dequantize to exactly what
 the `gguf` package's dequantizer gives (scale = d * sc is exact in fp32: an fp16 times a 6-bit int):
 
@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from ops.quant_linear import GROUP, HALF
+from ops.quant_weight import GROUP, HALF
 
 QK_K = 256
 INT4_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K)

@@ -1,6 +1,6 @@
 """Linear layers' weights in the run's format, and the one call that multiplies by either kind.
 
-A weight is a dense tensor in the engine dtype or a `QuantizedWeight` (ops/quant_linear.py). The
+A weight is a dense tensor in the engine dtype or a `QuantizedWeight` (ops/quant_weight.py). The
 `quantization` setting decides, per weight, from what the checkpoint stores:
   none  every weight dense (quantized ones are dequantized once at load);
   auto  as stored: a GGUF's quantized weights stay quantized (Q6_K as int6), dense ones stay dense;
@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ops import direct
-from ops.quant_linear import QuantizedWeight, quant_linear, quantize_int4, quantize_int8
+from ops.quant_linear import quant_linear
+from ops.quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 
 MODES = ("auto", "none", "int8", "int4")
 

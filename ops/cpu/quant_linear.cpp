@@ -1,4 +1,4 @@
-// pagedserve::quant_linear on CPUs: y = x @ W.T with W in int4/int6/int8 groups of 32 (layout: ops/quant_linear.py).
+// pagedserve::quant_linear on CPUs: y = x @ W.T with W in int4/int6/int8 groups of 32 (layout: ops/quant_weight.py).
 // x is quantized to int8 per (row, 32-block) once per call; each (row, group) dot product is exact in int32
 // (AVX2 maddubs/madd), then scaled in fp32: acc += (scale * dx) * isum + min * (dx * sum xq).
 // Two-level scales (K-quants) store uint8 sub-scales and -mins with an fp32 factor per 8 groups; a group's
@@ -103,7 +103,7 @@ void quantize_block(const T* x, int8_t* q, float* dx_out, float* dx_sum_out, int
   *halves_out = pack_halves(first, second);
 }
 
-// int6 weights hold a group's values in the order 0..7, 16..23, 8..15, 24..31 (ops/quant_linear.py); its x
+// int6 weights hold a group's values in the order 0..7, 16..23, 8..15, 24..31 (ops/quant_weight.py); its x
 // blocks are stored in the same order: the middle 8-byte quarters swap places.
 inline void swap_middle_quarters(int8_t* block) {
   int8_t tmp[8];
@@ -185,6 +185,12 @@ inline void group_factors(const TileArgs& a, int64_t g, bool has_mins, __m256& s
   }
 }
 
+// an x block's two 16-byte halves, each in both lanes: what the low and the high nibbles multiply
+inline void broadcast_halves(const int8_t* xr, __m256i& lo, __m256i& hi) {
+  lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr)));
+  hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16)));
+}
+
 inline __m256 group_sum_to_acc(__m256i isum, __m256 scale, __m256 min, bool has_mins, float dx, float dx_sum,
                                __m256 acc) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc);
@@ -204,11 +210,7 @@ void tile_int4(const TileArgs& a, float* out) {
     const uint8_t* wg = w + g * 128;
     prefetch_lines(wg, 2);
     __m256i lo_x[MR], hi_x[MR], pairs[MR][4];
-    for (int r = 0; r < MR; ++r) {
-      const int8_t* xr = a.xq + r * a.k + g * kGroup;
-      lo_x[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr)));
-      hi_x[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16)));
-    }
+    for (int r = 0; r < MR; ++r) broadcast_halves(a.xq + r * a.k + g * kGroup, lo_x[r], hi_x[r]);
     for (int p = 0; p < 4; ++p) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
       const __m256i lo = _mm256_and_si256(v, nibble);
@@ -288,11 +290,7 @@ void tile_int6(const TileArgs& a, float* out) {
     const uint8_t* wg = w + g * 192;
     prefetch_lines(wg, 3);
     __m256i lo_x[MR], hi_x[MR], pairs[MR][4];
-    for (int r = 0; r < MR; ++r) {
-      const int8_t* xr = a.xq + r * a.k + g * kGroup;
-      lo_x[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr)));
-      hi_x[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16)));
-    }
+    for (int r = 0; r < MR; ++r) broadcast_halves(a.xq + r * a.k + g * kGroup, lo_x[r], hi_x[r]);
     // int16 sub-scales: lane 0 rows 0..3, lane 1 rows 4..7, each row's (first, second) half side by side
     const __m256i sub = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.half_scales + g * 16)));
     const __m256i high[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 128)),
