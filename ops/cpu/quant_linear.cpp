@@ -191,6 +191,11 @@ inline void broadcast_halves(const int8_t* xr, __m256i& lo, __m256i& hi) {
   hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16)));
 }
 
+// pairs[p] holds partial sums of rows p (lane 0) and p + 4 (lane 1): their totals, rows 0..7 in order
+inline __m256i row_sums(const __m256i* pairs) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(pairs[0], pairs[1]), _mm256_hadd_epi32(pairs[2], pairs[3]));
+}
+
 inline __m256 group_sum_to_acc(__m256i isum, __m256 scale, __m256 min, bool has_mins, float dx, float dx_sum,
                                __m256 acc) {
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), acc);
@@ -198,7 +203,7 @@ inline __m256 group_sum_to_acc(__m256i isum, __m256 scale, __m256 min, bool has_
 }
 
 // int4: a 32-byte load holds rows (p, p+4) of a group; low nibbles are k 0..15, high nibbles k 16..31,
-// so x's two 16-byte halves are broadcast to both lanes. hadd(hadd(P0,P1), hadd(P2,P3)) = rows 0..7.
+// so x's two 16-byte halves are broadcast to both lanes.
 template <int MR>
 void tile_int4(const TileArgs& a, float* out) {
   const auto* w = static_cast<const uint8_t*>(a.weight);
@@ -224,8 +229,7 @@ void tile_int4(const TileArgs& a, float* out) {
     __m256 scale, min;
     group_factors(a, g, has_mins, scale, min);
     for (int r = 0; r < MR; ++r) {
-      const __m256i isum = _mm256_hadd_epi32(_mm256_hadd_epi32(pairs[r][0], pairs[r][1]),
-                                             _mm256_hadd_epi32(pairs[r][2], pairs[r][3]));
+      const __m256i isum = row_sums(pairs[r]);
       const int64_t at = r * a.groups + g;
       acc[r] = group_sum_to_acc(isum, scale, min, has_mins, a.dx[at], a.dx_sum[at], acc[r]);
     }
@@ -318,9 +322,7 @@ void tile_int6(const TileArgs& a, float* out) {
       const int64_t at = r * a.groups + g;
       // per row: first sub-scale * first half's sum xq + second * second's, the offset's share
       const __m256i offset = _mm256_madd_epi16(sub, _mm256_set1_epi32(a.half_sums[at]));
-      const __m256i isum = _mm256_sub_epi32(
-          _mm256_hadd_epi32(_mm256_hadd_epi32(pairs[r][0], pairs[r][1]), _mm256_hadd_epi32(pairs[r][2], pairs[r][3])),
-          _mm256_slli_epi32(offset, 5));
+      const __m256i isum = _mm256_sub_epi32(row_sums(pairs[r]), _mm256_slli_epi32(offset, 5));
       acc[r] = group_sum_to_acc(isum, super, super, false, a.dx[at], 0.f, acc[r]);
     }
   }
