@@ -323,7 +323,7 @@ void tile_int6(const TileArgs& a, float* out) {
       // per row: first sub-scale * first half's sum xq + second * second's, the offset's share
       const __m256i offset = _mm256_madd_epi16(sub, _mm256_set1_epi32(a.half_sums[at]));
       const __m256i isum = _mm256_sub_epi32(row_sums(pairs[r]), _mm256_slli_epi32(offset, 5));
-      acc[r] = group_sum_to_acc(isum, super, super, false, a.dx[at], 0.f, acc[r]);
+      acc[r] = group_sum_to_acc(isum, super, _mm256_setzero_ps(), false, a.dx[at], 0.f, acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
