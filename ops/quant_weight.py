@@ -8,17 +8,17 @@ q - 32, and each 16 values have their own int8 sub-scale under a super per 256 (
 Kernel layout (what `QuantizedWeight` holds). Output rows are padded to tiles of 8 (ROW_TILE);
 T = ceil(N / 8) tiles, G = K / 32 groups:
     int8: qweight int8  [T, G, 256]: the tile's 8 rows of one group, 32 bytes each, rows in order.
-    int4: qweight uint8 [T, G, 128]: 16 bytes per row; byte j holds q[k=j] in its low nibble and
-          q[k=j+16] in its high one; rows stored in the order 0,4,1,5,2,6,3,7 so that one 32-byte load
-          holds rows (p, p+4) and a three-step horizontal add yields the 8 row sums in order.
+    int4: qweight uint8 [T, G, 128]: four 32-byte vectors, k-interleaved: in vector p, bytes 4i..4i+3
+          hold row i's q[k=8p..8p+3] in their low nibbles and q[k=8p+4..8p+7] in their high ones. The
+          kernel's byte products with 4 x values broadcast then sum to each row's total in that row's
+          own 32-bit lane, with no horizontal adds.
     scales, mins: float32 [T, G, 8]: the 8 rows' values of a group are one vector load.
-    int6: qweight uint8 [T, G, 192]: bytes 0..127 are the low nibbles in the int4 layout, of the group's values
-          taken in the order 0..7, 16..23, 8..15, 24..31 (so the values sharing a byte, and each int16 pair
-          sum of a lane, belong to one 16-value half and its sub-scale); bytes 128..191
-          hold the top two bits as two 32-byte vectors, H0 for the int4 layout's 32-byte vectors 0 and 1
-          and H1 for vectors 2 and 3: bits 0-1 of a byte belong to the value in the low nibble of the same
-          byte position in the first of those vectors, bits 2-3 to its high nibble, bits 4-5 and 6-7 to
-          the second vector's low and high nibble. One shift and mask then puts them above a nibble.
+    int6: qweight uint8 [T, G, 192]: bytes 0..127 are the low nibbles in the int4 layout (vectors 0 and 1
+          hold the first 16-value half, 2 and 3 the second); bytes 128..191 hold the top two bits as
+          two 32-byte vectors, H0 for vectors 0 and 1 and H1 for vectors 2 and 3: bits 0-1 of a byte
+          belong to the value in the low nibble of the same byte position in the first of those
+          vectors, bits 2-3 to its high nibble, bits 4-5 and 6-7 to the second vector's low and high
+          nibble. One shift and mask then puts them above a nibble.
 Padding rows have q = 0, scale = 0, min = 0.
 
 Two-level scales (the form of llama.cpp's K-quants), for K a multiple of 256: scales and mins are
@@ -45,14 +45,11 @@ from engine.errors import UserError
 
 GROUP = 32                  # values per quantization group along K
 ROW_TILE = 8                # output rows the kernel computes together; N is padded to a multiple
-_INT4_ROW_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
-_INT4_ROW_ORDER_INVERSE = (0, 2, 4, 6, 1, 3, 5, 7)
 GROUP_BYTES = {4: ROW_TILE * GROUP // 2, 6: ROW_TILE * GROUP * 6 // 8, 8: ROW_TILE * GROUP}
 Q_DTYPE = {4: torch.uint8, 6: torch.uint8, 8: torch.int8}
 _Q_RANGE = {4: (0, 15), 6: (0, 63), 8: (-128, 127)}
 SUPER = 8                   # groups sharing one super value in two-level scales (256 values, QK_K)
 HALF = GROUP // 2           # values per int6 sub-scale
-_INT6_ORDER = (*range(8), *range(16, 24), *range(8, 16), *range(24, 32))   # its own inverse
 INT6_OFFSET = 32            # an int6 q stands for q - 32
 
 
@@ -60,17 +57,20 @@ class QuantError(UserError, ValueError):
     """Quantized weights that cannot be built or used; the message names the value and what is allowed."""
 
 
-def _pair_up(rows: Tensor, width: int) -> Tensor:
-    """[..., 8, 32] values below 2**width -> [..., 8, 16]: rows in the int4 order, the values of k and
-    k + 16 in one byte (k + 16's shifted by `width`)."""
-    rows = rows[..., list(_INT4_ROW_ORDER), :]
-    return rows[..., :HALF] | (rows[..., HALF:] << width)
+def _interleave(rows: Tensor, width: int) -> Tensor:
+    """[T, G, 8, 32] values below 2**width -> [T, G, 4, 32] bytes of the int4 layout: vector p, byte
+    4i + j holds row i's values k = 8p + j and 8p + 4 + j (the second shifted by `width`)."""
+    tiles, groups = rows.shape[:2]
+    quads = rows.view(tiles, groups, ROW_TILE, 4, 2, 4).permute(0, 1, 3, 2, 4, 5)    # [T, G, p, i, 2, j]
+    return (quads[..., 0, :] | (quads[..., 1, :] << width)).reshape(tiles, groups, 4, 32)
 
 
-def _split_pairs(packed: Tensor, width: int) -> Tensor:
-    """Inverse of _pair_up."""
-    values = torch.cat([packed & ((1 << width) - 1), packed >> width], dim=-1)
-    return values[..., list(_INT4_ROW_ORDER_INVERSE), :]
+def _deinterleave(packed: Tensor, width: int) -> Tensor:
+    """Inverse of _interleave."""
+    tiles, groups = packed.shape[:2]
+    quads = packed.reshape(tiles, groups, 4, ROW_TILE, 1, 4)
+    both = torch.cat([quads & ((1 << width) - 1), quads >> width], dim=4)            # [T, G, p, i, 2, j]
+    return both.permute(0, 1, 3, 2, 4, 5).reshape(tiles, groups, ROW_TILE, GROUP)
 
 
 def _pack(q: Tensor, bits: int) -> Tensor:
@@ -79,12 +79,9 @@ def _pack(q: Tensor, bits: int) -> Tensor:
     rows = q.view(tiles, ROW_TILE, groups, GROUP).permute(0, 2, 1, 3)       # [T, G, 8, 32]
     if bits == 8:
         return rows.contiguous().view(tiles, groups, GROUP_BYTES[8])
+    packed = _interleave(rows & 0x0F, 4).reshape(tiles, groups, 128)
     if bits == 6:
-        rows = rows[..., list(_INT6_ORDER)]
-    packed = _pair_up(rows & 0x0F, 4).reshape(tiles, groups, 128)
-    if bits == 6:
-        # 4-bit codes of the top bits per byte position of the low nibbles, [T, G, H0/H1, vector, 32]
-        codes = _pair_up(rows >> 4, 2).view(tiles, groups, 2, 2, 32)
+        codes = _interleave(rows >> 4, 2).view(tiles, groups, 2, 2, 32)   # [T, G, H0/H1, vector, 32]
         high = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)
         packed = torch.cat([packed, high.reshape(tiles, groups, 64)], dim=-1)
     return packed.contiguous()
@@ -96,11 +93,11 @@ def _unpack(qweight: Tensor, bits: int) -> Tensor:
     if bits == 8:
         rows = qweight.view(tiles, groups, ROW_TILE, GROUP)
     else:
-        rows = _split_pairs(qweight[..., :128].reshape(tiles, groups, ROW_TILE, HALF), 4)
+        rows = _deinterleave(qweight[..., :128], 4)
         if bits == 6:
             high = qweight[..., 128:].reshape(tiles, groups, 2, 1, 32)
-            codes = torch.cat([high & 0x0F, high >> 4], dim=3).reshape(tiles, groups, ROW_TILE, HALF)
-            rows = (rows | (_split_pairs(codes, 2) << 4))[..., list(_INT6_ORDER)]
+            codes = torch.cat([high & 0x0F, high >> 4], dim=3).reshape(tiles, groups, 4, 32)
+            rows = rows | (_deinterleave(codes, 2) << 4)
     return rows.permute(0, 2, 1, 3).reshape(tiles * ROW_TILE, groups * GROUP)
 
 

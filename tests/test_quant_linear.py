@@ -105,12 +105,24 @@ def test_int6_round_trips_and_dequantizes_to_q6_k_formula(n):
     padded = -(-n // 8) * 8
     assert w.nbytes == padded * k * 6 // 8 + padded * (k // HALF) + padded * (k // 256) * 4
     one = torch.zeros(8, 256, dtype=torch.uint8)
-    one[1, 19] = 0b110000   # row 1: vector 1, lane 0; value 19 sits in the low nibble of byte 11 (order 0..7, 16..23, ...)
-    one[4, 9] = 0b100000    # row 4: vector 0, lane 1; value 9 in the high nibble of byte 1
+    one[1, 19] = 0b110000   # row 1, value 19: vector 2 (H1's first), low nibble of byte 4 * 1 + 3
+    one[4, 13] = 0b100000   # row 4, value 13: vector 1 (H0's second), high nibble of byte 4 * 4 + 1
     top = QuantizedWeight.from_groups(one, scales[:1].repeat(8, 1)[:, :16], None, 6, supers[:1, :1].repeat(8, 1, 1))
     high = top.qweight[0, 0, 128:]
-    assert high.nonzero().flatten().tolist() == [11, 17]
-    assert int(high[11]) == 0b11 << 4 and int(high[17]) == 0b10 << 2   # H0: second vector's low, first's high
+    assert high.nonzero().flatten().tolist() == [17, 32 + 7]
+    assert int(high[17]) == 0b10 << 6 and int(high[39]) == 0b11
+    assert not top.qweight[0, 0, :128].any()
+
+
+def test_int4_layout_interleaves_each_rows_values_by_four():
+    """Vector p, byte 4i + j: row i's value 8p + j in the low nibble, 8p + 4 + j in the high one."""
+    q = torch.zeros(8, 32, dtype=torch.uint8)
+    q[5, 14] = 9            # p = 1, high nibble, j = 2: byte 32 + 4 * 5 + 2
+    q[2, 25] = 7            # p = 3, low nibble, j = 1: byte 96 + 4 * 2 + 1
+    w = QuantizedWeight.from_groups(q, torch.ones(8, 1), None, 4)
+    packed = w.qweight[0, 0]
+    assert packed.nonzero().flatten().tolist() == [54, 105]
+    assert int(packed[54]) == 9 << 4 and int(packed[105]) == 7
 
 
 @pytest.mark.parametrize("group_size", (32, 64, 128))

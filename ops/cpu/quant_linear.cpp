@@ -4,10 +4,12 @@
 // Two-level scales (K-quants) store uint8 sub-scales and -mins with an fp32 factor per 8 groups; a group's
 // scale is their fp32 product. A call whose x rows fit one row block (decode) multiplies it out per group
 // inside the tile kernel; larger calls multiply a tile's factors out once into fp32 for all its row blocks.
-// int6 (Q6_K) stores a group's values so that each int16 pair sum of the low and the high nibbles comes
-// from one 16-value half (x is permuted to match), weighs those sums by the half's int8 sub-scale inside the
-// integer dot product (madd), takes 32 * (sub-scale * sum xq) per half off for the values' offset, and scales
-// the exact int32 result by the group's super and dx.
+// int4 and int6 store each row's values 4 at a time side by side (k-interleaved), so that maddubs against 4
+// x values broadcast, and one madd, leave each of the tile's 8 row sums in its own int32 lane: no horizontal
+// adds (vphaddd takes 2 cycles on Zen 3; the row-paired layout before needed 3 a row and group).
+// int6 (Q6_K) weighs the int16 pair sums of each 16-value half by its int8 sub-scale inside that madd, takes
+// 32 * (sub-scale * sum xq) per half off for the values' offset, and scales the exact int32 result by the
+// group's super and dx.
 // Threads split the weight's 8-row tiles; within a thread a chunk of x rows stays in L2 while its tiles
 // stream by, and each tile-group of weights is unpacked once for up to kRowBlock x rows.
 #include <ATen/ATen.h>
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -103,25 +106,14 @@ void quantize_block(const T* x, int8_t* q, float* dx_out, float* dx_sum_out, int
   *halves_out = pack_halves(first, second);
 }
 
-// int6 weights hold a group's values in the order 0..7, 16..23, 8..15, 24..31 (ops/quant_weight.py); its x
-// blocks are stored in the same order: the middle 8-byte quarters swap places.
-inline void swap_middle_quarters(int8_t* block) {
-  int8_t tmp[8];
-  std::copy_n(block + 8, 8, tmp);
-  std::copy_n(block + 16, 8, block + 8);
-  std::copy_n(tmp, 8, block + 16);
-}
-
 template <typename T>
-Activations quantize_activations(const T* x, int64_t rows, int64_t k, bool int6_order) {
+Activations quantize_activations(const T* x, int64_t rows, int64_t k) {
   const int64_t groups = k / kGroup;
   Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups), std::vector<float>(rows * groups),
                 std::vector<int32_t>(rows * groups)};
   at::parallel_for(0, rows * groups, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t b = begin; b < end; ++b)
       quantize_block(x + b * kGroup, a.q.data() + b * kGroup, &a.dx[b], &a.dx_sum[b], &a.half_sums[b]);
-      if (int6_order) swap_middle_quarters(a.q.data() + b * kGroup);
-    }
   });
   return a;
 }
@@ -173,8 +165,10 @@ void expand_factors(const uint8_t* subs, const float* supers, int which, int64_t
 
 #ifdef __AVX2__
 
-// group g's scale and min for the tile's 8 rows
-inline void group_factors(const TileArgs& a, int64_t g, bool has_mins, __m256& scale, __m256& min) {
+// group g's scale and min for the tile's 8 rows. Forced inline: as a call (GCC 12 made it one once the tile
+// kernels shrank) it passed the vectors through memory, and a 17920x1536 int4 layer at M=1 on one thread
+// took 1.43 instead of 1.24 ms.
+__attribute__((always_inline)) inline void group_factors(const TileArgs& a, int64_t g, bool has_mins, __m256& scale, __m256& min) {
   if (a.subs != nullptr) {
     const float* super = a.supers + (g / kSuper) * a.super_count * kTile;
     scale = sub_times_super(a.subs + g * kTile, super);
@@ -185,15 +179,14 @@ inline void group_factors(const TileArgs& a, int64_t g, bool has_mins, __m256& s
   }
 }
 
-// an x block's two 16-byte halves, each in both lanes: what the low and the high nibbles multiply
-inline void broadcast_halves(const int8_t* xr, __m256i& lo, __m256i& hi) {
-  lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr)));
-  hi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + 16)));
-}
-
-// pairs[p] holds partial sums of rows p (lane 0) and p + 4 (lane 1): their totals, rows 0..7 in order
-inline __m256i row_sums(const __m256i* pairs) {
-  return _mm256_hadd_epi32(_mm256_hadd_epi32(pairs[0], pairs[1]), _mm256_hadd_epi32(pairs[2], pairs[3]));
+// x values 8p..8p+3 and 8p+4..8p+7 of a group (what vector p's low and high nibbles multiply), each 4 bytes
+// broadcast to all 8 int32 lanes
+inline void broadcast_quads(const int8_t* xr, int p, __m256i& lo, __m256i& hi) {
+  int32_t first, second;
+  std::memcpy(&first, xr + 8 * p, 4);
+  std::memcpy(&second, xr + 8 * p + 4, 4);
+  lo = _mm256_set1_epi32(first);
+  hi = _mm256_set1_epi32(second);
 }
 
 inline __m256 group_sum_to_acc(__m256i isum, __m256 scale, __m256 min, bool has_mins, float dx, float dx_sum,
@@ -202,8 +195,9 @@ inline __m256 group_sum_to_acc(__m256i isum, __m256 scale, __m256 min, bool has_
   return has_mins ? _mm256_fmadd_ps(min, _mm256_set1_ps(dx_sum), acc) : acc;
 }
 
-// int4: a 32-byte load holds rows (p, p+4) of a group; low nibbles are k 0..15, high nibbles k 16..31,
-// so x's two 16-byte halves are broadcast to both lanes.
+// int4: 32-byte vector p of a tile-group holds, in bytes 4i..4i+3, row i's values k = 8p..8p+3 (low nibbles)
+// and 8p+4..8p+7 (high). The maddubs pair sums of the whole group add up in int16 (at most
+// 8 * 2 * 15 * 127 = 30480), then one madd with ones gives the 8 row sums in order.
 template <int MR>
 void tile_int4(const TileArgs& a, float* out) {
   const auto* w = static_cast<const uint8_t*>(a.weight);
@@ -214,24 +208,23 @@ void tile_int4(const TileArgs& a, float* out) {
   for (int64_t g = 0; g < a.groups; ++g) {
     const uint8_t* wg = w + g * 128;
     prefetch_lines(wg, 2);
-    __m256i lo_x[MR], hi_x[MR], pairs[MR][4];
-    for (int r = 0; r < MR; ++r) broadcast_halves(a.xq + r * a.k + g * kGroup, lo_x[r], hi_x[r]);
+    __m256i s16[MR];
     for (int p = 0; p < 4; ++p) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
       const __m256i lo = _mm256_and_si256(v, nibble);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
       for (int r = 0; r < MR; ++r) {
-        // u4 * s8 pair sums stay below 2 * 15 * 127, so adding the two halves cannot saturate int16
-        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, lo_x[r]), _mm256_maddubs_epi16(hi, hi_x[r]));
-        pairs[r][p] = _mm256_madd_epi16(s16, ones);
+        __m256i x_lo, x_hi;
+        broadcast_quads(a.xq + r * a.k + g * kGroup, p, x_lo, x_hi);
+        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi));
+        s16[r] = p == 0 ? t : _mm256_add_epi16(s16[r], t);
       }
     }
     __m256 scale, min;
     group_factors(a, g, has_mins, scale, min);
     for (int r = 0; r < MR; ++r) {
-      const __m256i isum = row_sums(pairs[r]);
       const int64_t at = r * a.groups + g;
-      acc[r] = group_sum_to_acc(isum, scale, min, has_mins, a.dx[at], a.dx_sum[at], acc[r]);
+      acc[r] = group_sum_to_acc(_mm256_madd_epi16(s16[r], ones), scale, min, has_mins, a.dx[at], a.dx_sum[at], acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
@@ -274,31 +267,28 @@ void tile_int8(const TileArgs& a, float* out) {
 }
 
 // int6: the low nibbles unpack like int4's; the top two bits of the values in 32-byte vector p come from
-// H[p / 2], shifted so that they land on bits 4-5. Pair sums 0..3 of a lane's low and high nibbles are the
-// first half's values, 4..7 the second's, so their int16 sum (below 2 * 2 * 63 * 127 = 32004) takes one madd
-// with the row's two sub-scales (rows p and p+4 in the two lanes), as int4's takes one with ones.
+// H[p / 2], shifted so that they land on bits 4-5. Vectors 0 and 1 hold the group's first 16-value half, 2 and
+// 3 its second: a lane's int16 pair sums of one vector (below 2 * 2 * 63 * 127 = 32004) take one madd with
+// that half's sub-scale of the lane's row.
 template <int MR>
 void tile_int6(const TileArgs& a, float* out) {
   const auto* w = static_cast<const uint8_t*>(a.weight);
   const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
-  // shuffle controls: per lane, int16 element 2p (first half's sub-scale) four times, then 2p + 1 four times
-  __m256i pick[4];
-  for (int p = 0; p < 4; ++p) {
-    const int8_t f = static_cast<int8_t>(4 * p), s = static_cast<int8_t>(4 * p + 2);
-    pick[p] = _mm256_setr_epi8(f, f + 1, f, f + 1, f, f + 1, f, f + 1, s, s + 1, s, s + 1, s, s + 1, s, s + 1,
-                               f, f + 1, f, f + 1, f, f + 1, f, f + 1, s, s + 1, s, s + 1, s, s + 1, s, s + 1);
-  }
+  // shuffle controls: per int32 lane, its row's first (second) int16 sub-scale twice
+  const __m256i pick_first = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                              0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+  const __m256i pick_second = _mm256_add_epi8(pick_first, _mm256_set1_epi8(2));
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
     const uint8_t* wg = w + g * 192;
     prefetch_lines(wg, 3);
-    __m256i lo_x[MR], hi_x[MR], pairs[MR][4];
-    for (int r = 0; r < MR; ++r) broadcast_halves(a.xq + r * a.k + g * kGroup, lo_x[r], hi_x[r]);
-    // int16 sub-scales: lane 0 rows 0..3, lane 1 rows 4..7, each row's (first, second) half side by side
+    // int16 sub-scales: each row's (first, second) half side by side, rows 0..7 in order
     const __m256i sub = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.half_scales + g * 16)));
+    const __m256i half_sub[2] = {_mm256_shuffle_epi8(sub, pick_first), _mm256_shuffle_epi8(sub, pick_second)};
     const __m256i high[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 128)),
                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 160))};
+    __m256i isum[MR];
     for (int p = 0; p < 4; ++p) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
       const __m256i h = high[p / 2];
@@ -312,18 +302,21 @@ void tile_int6(const TileArgs& a, float* out) {
       }
       const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, nibble), _mm256_and_si256(lo_top, top));
       const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), _mm256_and_si256(hi_top, top));
-      const __m256i scales = _mm256_shuffle_epi8(sub, pick[p]);
-      for (int r = 0; r < MR; ++r)
-        pairs[r][p] = _mm256_madd_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo, lo_x[r]), _mm256_maddubs_epi16(hi, hi_x[r])), scales);
+      for (int r = 0; r < MR; ++r) {
+        __m256i x_lo, x_hi;
+        broadcast_quads(a.xq + r * a.k + g * kGroup, p, x_lo, x_hi);
+        const __m256i t = _mm256_madd_epi16(
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi)), half_sub[p / 2]);
+        isum[r] = p == 0 ? t : _mm256_add_epi32(isum[r], t);
+      }
     }
     const __m256 super = _mm256_loadu_ps(a.supers + (g / kSuper) * kTile);
     for (int r = 0; r < MR; ++r) {
       const int64_t at = r * a.groups + g;
       // per row: first sub-scale * first half's sum xq + second * second's, the offset's share
       const __m256i offset = _mm256_madd_epi16(sub, _mm256_set1_epi32(a.half_sums[at]));
-      const __m256i isum = _mm256_sub_epi32(row_sums(pairs[r]), _mm256_slli_epi32(offset, 5));
-      acc[r] = group_sum_to_acc(isum, super, _mm256_setzero_ps(), false, a.dx[at], 0.f, acc[r]);
+      acc[r] = group_sum_to_acc(_mm256_sub_epi32(isum[r], _mm256_slli_epi32(offset, 5)), super, _mm256_setzero_ps(),
+                                false, a.dx[at], 0.f, acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
@@ -333,17 +326,16 @@ void tile_int6(const TileArgs& a, float* out) {
 
 inline int32_t weight_q(const void* weight, int bits, int64_t g, int row, int i) {
   if (bits == 8) return static_cast<const int8_t*>(weight)[g * 256 + row * kGroup + i];
-  static constexpr int kSlot[kTile] = {0, 2, 4, 6, 1, 3, 5, 7};  // storage position of row 0..7
   const auto* tile_group = static_cast<const uint8_t*>(weight) + g * (bits == 4 ? 128 : 192);
-  // int6 stores value i where the int4 layout has value 0..7, 16..23, 8..15, 24..31's i-th (an involution)
-  const int at = bits == 6 && i >= 8 && i < 24 ? (i < 16 ? i + 8 : i - 8) : i;
-  const int slot = kSlot[row], j = at % 16;
-  const uint8_t byte = tile_group[slot * 16 + j];
-  const int32_t low = at < 16 ? (byte & 0x0F) : (byte >> 4);
+  // value i sits in vector p = i / 8 at byte 4 * row + i % 4, in the high nibble when i % 8 >= 4
+  const int p = i / 8, at = 4 * row + i % 4;
+  const bool high = i % 8 >= 4;
+  const uint8_t byte = tile_group[32 * p + at];
+  const int32_t low = high ? byte >> 4 : byte & 0x0F;
   if (bits == 4) return low;
-  // slot 4i + 2v + lane: H[i], vector v's code in bits 4v.., the high nibble's two bits above the low one's
-  const uint8_t code = tile_group[128 + (slot / 4) * 32 + (slot % 2) * 16 + j] >> (4 * ((slot / 2) % 2));
-  return low | (((at < 16 ? code : code >> 2) & 3) << 4);
+  // H[p / 2]: vector p's codes in bits 4 * (p % 2).., the high nibble's two bits above the low one's
+  const uint8_t code = tile_group[128 + 32 * (p / 2) + at] >> (4 * (p % 2));
+  return low | (((high ? code >> 2 : code) & 3) << 4);
 }
 
 // which = 0: scale, 1: min of (group g, tile row `row`)
@@ -438,13 +430,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   auto out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
   PAGEDSERVE_DISPATCH_F32_BF16(x.scalar_type(), op, [&] {
-    // the scalar path reads weights in value order (weight_q), so x keeps its own order there
-#ifdef __AVX2__
-    const bool int6_order = int6;
-#else
-    const bool int6_order = false;
-#endif
-    const Activations act = quantize_activations(static_cast<const scalar_t*>(x.data_ptr()), rows, k, int6_order);
+    const Activations act = quantize_activations(static_cast<const scalar_t*>(x.data_ptr()), rows, k);
     auto* y = static_cast<scalar_t*>(out.data_ptr());
     const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
     // two-level: uint8 (int6: int8) sub-values and their supers; flat: the fp32 factors themselves
