@@ -6,7 +6,9 @@
 // inside the tile kernel; larger calls multiply a tile's factors out once into fp32 for all its row blocks.
 // int4 and int6 store each row's values 4 at a time side by side (k-interleaved), so that maddubs against 4
 // x values broadcast, and one madd, leave each of the tile's 8 row sums in its own int32 lane: no horizontal
-// adds (vphaddd takes 2 cycles on Zen 3; the row-paired layout before needed 3 a row and group).
+// adds (vphaddd takes 2 cycles on Zen 3; the row-paired layout before needed 3 a row and group). int8 keeps
+// each row's group in one piece: k-interleaved it was 1.19-1.30x faster at 4 to 64 rows but 0.86-0.94x at
+// one, where its sign handling and the broadcasts cost more than the horizontal adds they replace.
 // int6 (Q6_K) weighs the int16 pair sums of each 16-value half by its int8 sub-scale inside that madd, takes
 // 32 * (sub-scale * sum xq) per half off for the values' offset, and scales the exact int32 result by the
 // group's super and dx.
