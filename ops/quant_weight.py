@@ -223,6 +223,18 @@ class QuantizedWeight:
             w = w + mins.to(work)[..., None]
         return w.view(q.shape).to(dtype)
 
+    def rows(self, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Rows `ids` of `dequantize(dtype)`, [len(ids), K], unpacking only their tiles: an embedding
+        lookup in a table kept quantized."""
+        tiles = ids // ROW_TILE
+
+        def picked(t: Tensor | None) -> Tensor | None:     # index_select: a tenth of indexing's cost here
+            return None if t is None else t.index_select(0, tiles)
+        part = replace(self, out_features=len(ids) * ROW_TILE, qweight=picked(self.qweight),
+                       scales=picked(self.scales), mins=picked(self.mins), supers=picked(self.supers))
+        at = torch.arange(0, len(ids) * ROW_TILE, ROW_TILE) + ids % ROW_TILE
+        return part.dequantize(dtype).index_select(0, at)
+
     def with_bits(self, bits: int) -> QuantizedWeight:
         """The same weight stored as int8: int4 values 0..15 fit as they are, with the same scales."""
         if bits == self.bits:

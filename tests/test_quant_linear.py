@@ -125,6 +125,17 @@ def test_int4_layout_interleaves_each_rows_values_by_four():
     assert int(packed[54]) == 9 << 4 and int(packed[105]) == 7
 
 
+@pytest.mark.parametrize("bits,two_level", ((4, False), (4, True), (8, True), (6, True)))
+def test_rows_are_the_dequantized_weights_rows(bits, two_level):
+    """An embedding lookup in a quantized table: rows across tiles, repeated, and in the padded last tile."""
+    n, k = 21, 512
+    q, scales, mins, supers = _random_groups(n, k, bits, bits == 4, seed=3, two_level=two_level)
+    w = QuantizedWeight.from_groups(q, scales, mins, bits, supers)
+    ids = torch.tensor([20, 0, 7, 8, 8, 15, 16])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(w.rows(ids, dtype), w.dequantize(dtype)[ids])
+
+
 @pytest.mark.parametrize("group_size", (32, 64, 128))
 @pytest.mark.parametrize("k", (384, 512))       # fp32 factors per group; two-level ones (K a multiple of 256)
 def test_quantizers_keep_each_weight_within_half_a_step(group_size, k):

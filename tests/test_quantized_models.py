@@ -19,7 +19,7 @@ from engine.loading import gguf_quant
 from engine.kv.pool import KVPool, KVShape
 from engine.loading.checkpoint import group_tensor_names, open_checkpoint
 from engine.loading.model_config import parse_model_config
-from engine.models.linear import LinearLoader, LinearParts, linear, weight_nbytes
+from engine.models.linear import LinearLoader, LinearParts, embedding, linear, weight_nbytes
 from engine.models.qwen3 import DenseDecoder
 import engine.loading.gguf as gguf_module
 from engine.loading.gguf import gguf_to_hf_dir
@@ -73,15 +73,15 @@ def test_every_block_format_repacks(gguf_files):
 @pytest.mark.parametrize("path", [p for p in SHARED_FILES if "F32" not in p.name], ids=lambda p: p.name)
 def test_kept_checkpoint_holds_the_widened_weights(path, tmp_path):
     """The quantized cache entry's names, shapes and row order (llama's Q/K permutation undone) agree
-    with the widened entry of the same file, weight by weight. The embedding table stays dense for its
-    row lookups; a tied one is the output head too and is also kept in group form."""
+    with the widened entry of the same file, weight by weight. The embedding table is written dense (for
+    `none`, `int8`, `int4`) and, stored quantized, in group form as well (for `auto`'s lookups and a tied head)."""
     cache = tmp_path / "cache"
     kept = open_checkpoint(gguf_to_hf_dir(path, "float32", cache_root=cache, keep_quantized=True))
     widened = load_file(str(gguf_to_hf_dir(path, "float32", cache_root=cache) / "model.safetensors"))
     types = {gguf_module._hf_name(t.name): t.tensor_type for t in GGUFReader(path).tensors}
     quantized = [name for name in widened if kept.is_quantized(name)]
     embed = "model.embed_tokens.weight"
-    assert quantized and kept.is_quantized(embed) == kept.config["tie_word_embeddings"]
+    assert quantized and kept.is_quantized(embed) == (types[embed] in gguf_quant.KEPT_TYPES)
     assert torch.equal(kept.get(embed, tuple(widened[embed].shape), torch.float32), widened[embed])
     for name in quantized:
         weight = kept.get_linear(name, tuple(widened[name].shape), torch.float32)
@@ -196,17 +196,26 @@ def test_gguf_model_runs_quantized(path, tmp_path, record_property):
     _check_close_to_dense(kept, record_property, path.stem)
 
 
-def test_tied_gguf_runs_its_output_head_quantized(tmp_path):
-    """With tied embeddings the table is the output head: under `auto` the head multiplies the file's
-    Q6_K blocks (int6) while lookups read the dense table, both the same weights."""
-    kept = gguf_to_hf_dir(SHARED / "qwen2-Q4_K-tied.gguf", "float32", cache_root=tmp_path / "cache",
-                          keep_quantized=True)
-    llm = LLM(model=str(kept), dtype="float32", max_model_len=64, kv_pool_tokens=256)
+@pytest.mark.parametrize("file", ("qwen2-Q4_K-tied.gguf", "qwen3-hd128-Q4_K.gguf"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_gguf_keeps_its_embedding_table_quantized(tmp_path, file, dtype):
+    """Under `auto` lookups dequantize just their rows of the file's quantized table, to what the dense
+    table holds, so the dense table is not loaded. Tied, the same table is the output head and multiplies
+    the file's blocks (Q6_K as int6)."""
+    kept = gguf_to_hf_dir(SHARED / file, "float32", cache_root=tmp_path / "cache", keep_quantized=True)
+    llm = LLM(model=str(kept), dtype=str(dtype).removeprefix("torch."), max_model_len=64, kv_pool_tokens=256)
     model = llm.engine.model
-    assert isinstance(model.lm_head, QuantizedWeight) and model.lm_head.bits == 6
-    assert isinstance(model.embed, torch.Tensor) and torch.equal(model.lm_head.dequantize(), model.embed)
-    assert "int6 g16x16 sym x1" in llm.engine.weights
+    tied = model.cfg.tie_word_embeddings
+    assert tied == ("tied" in file)
+    assert isinstance(model.embed, QuantizedWeight) and (model.embed is model.lm_head) == tied
+    if tied:
+        assert model.lm_head.bits == 6 and "int6 g16x16 sym x1" in llm.engine.weights
     llm.close()
+    ckpt = open_checkpoint(kept)
+    dense = ckpt.get("model.embed_tokens.weight", (model.cfg.vocab_size, model.cfg.hidden_size), dtype)
+    ckpt.close()
+    ids = torch.tensor([[0, 7, 8, model.cfg.vocab_size - 1], [5, 5, 13, 1]])    # tile edges, repeats
+    assert torch.equal(embedding(ids, model.embed, dtype), dense[ids])
 
 
 def _write_prequantized(source: Path, out: Path, mode: str, group: int) -> Path:

@@ -51,8 +51,9 @@ HASH_CHUNK = 8 * 1024**2
 MARKER = "complete.json"
 # The stored group form's version; a quantized entry written in another one is converted again
 # (2: K-quants keep their two-level scales; 3: Q6_K is kept as int6, no longer requantized to int8;
-# 4: a tied embedding table is kept in group form too, as the output head).
-GROUP_FORMAT = 4
+# 4: a tied embedding table is kept in group form too, as the output head; 5: the embedding table is kept
+# in group form tied or not, for lookups that dequantize their rows).
+GROUP_FORMAT = 5
 HASH_INDEX = "hash-index.json"
 
 # progress(tensors_done, tensors_total, tensor_name), called after each converted tensor
@@ -166,7 +167,7 @@ def _convert(path: Path, out: Path, dtype: torch.dtype, progress: Progress | Non
     names = _check_tensors(path, reader, arch)
     config = _hf_config(path, meta, arch, reader, dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    kept = {t.name for t in reader.tensors if keep_quantized and _keeps_quantized(t, config["tie_word_embeddings"])}
+    kept = {t.name for t in reader.tensors if keep_quantized and _keeps_quantized(t)}
     _write_weights(reader, names, out, dtype, config, progress, kept)
     try:
         write_tokenizer_files(meta, out)
@@ -255,12 +256,12 @@ def _hf_config(path: Path, meta: dict, arch: str, reader: GGUFReader, dtype: tor
     return config
 
 
-def _keeps_quantized(t, tied: bool) -> bool:
-    """A weight multiplied as a linear layer, in a type that has a group form. The embedding table is
-    read by row, so it is written dense; when it is also the output head (tied), it is kept in group form
-    as well, under the same name: a dense head of Qwen3-0.6B's vocabulary is 622 MB of fp32 a step."""
-    return (t.tensor_type in gguf_quant.KEPT_TYPES and len(t.shape) == 2 and t.name.endswith(".weight")
-            and (t.name != EMBEDDING or tied))
+def _keeps_quantized(t) -> bool:
+    """A weight in a type that has a group form. The embedding table is written dense as well: `none`,
+    `int8` and `int4` look rows up there, while `auto` dequantizes just the rows it looks up from the
+    group form (which, tied, is also the output head: a dense head of Qwen3-0.6B's vocabulary is 622 MB
+    of fp32 a step)."""
+    return t.tensor_type in gguf_quant.KEPT_TYPES and len(t.shape) == 2 and t.name.endswith(".weight")
 
 
 def _writes_dense(name: str, kept: set[str]) -> bool:

@@ -46,6 +46,14 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     return out if bias is None else out + bias
 
 
+def embedding(ids: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of an embedding table: dense in `dtype`, or a tied table kept quantized (only the
+    looked-up rows are dequantized, to the values a dense table in `dtype` would hold)."""
+    if isinstance(table, QuantizedWeight):
+        return table.rows(ids.flatten(), dtype).view(*ids.shape, table.in_features)
+    return F.embedding(ids, table)
+
+
 def weight_nbytes(weight) -> int:
     if isinstance(weight, LinearParts):
         return sum(map(weight_nbytes, weight.parts))
@@ -75,6 +83,10 @@ class LinearLoader:
 
     def keeps_dense(self, names: list[str]) -> bool:
         return self.mode == "none" or (self.mode == "auto" and not any(map(self.ckpt.is_quantized, names)))
+
+    def keeps_stored(self, name: str) -> bool:
+        """Whether `name` loads as the checkpoint's own group form, unchanged."""
+        return self.mode == "auto" and self.ckpt.is_quantized(name)
 
     def load(self, parts: list[tuple[str, int, int]]):
         """The weight of the layer made of `parts` (name, out_features, in_features), fused along

@@ -8,12 +8,11 @@ so each layer runs three GEMMs plus the output projection. Linear weights are de
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 import ops
 from engine.loading.model_config import ModelConfig
 from engine.models.batch import ForwardBatch
-from engine.models.linear import LinearLoader, linear, weight_nbytes
+from engine.models.linear import LinearLoader, embedding, linear, weight_nbytes
 from ops.rotary import rope_cos_sin
 
 pagedserve = ops.direct
@@ -38,12 +37,18 @@ class DenseDecoder:
         def get(name, *shape):
             return ckpt.get(name, tuple(shape), dtype).to(device)
 
-        self.embed = get("model.embed_tokens.weight", cfg.vocab_size, h)
         self.norm = get("model.norm.weight", h)
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        table = "model.embed_tokens.weight"
+        head = table if cfg.tie_word_embeddings else "lm_head.weight"
+        # Under `auto` a table stored quantized stays so: lookups dequantize their rows to what the dense
+        # table holds, which is then never read (933 MB of fp32 for a 151936 x 1536 vocabulary).
         if cfg.tie_word_embeddings and linears.keeps_dense([head]):
-            self.lm_head = self.embed       # one copy serves both
+            self.embed = self.lm_head = get(table, cfg.vocab_size, h)      # one copy serves both
+        elif cfg.tie_word_embeddings and linears.keeps_stored(head):
+            self.embed = self.lm_head = linears.load([(head, cfg.vocab_size, h)])
         else:
+            self.embed = (ckpt.get_linear(table, (cfg.vocab_size, h), dtype) if linears.keeps_stored(table)
+                          else get(table, cfg.vocab_size, h))
             self.lm_head = linears.load([(head, cfg.vocab_size, h)])
         self.layers = []
         for i in range(cfg.num_layers):
@@ -99,7 +104,7 @@ class DenseDecoder:
     def forward(self, batch: ForwardBatch, kv_layers) -> torch.Tensor:
         """Hidden states of the sampling rows' last tokens, `[S, hidden]`."""
         eps = self.cfg.rms_norm_eps
-        x = F.embedding(batch.input_ids, self.embed)
+        x = embedding(batch.input_ids, self.embed, self.dtype)
         residual = x
         h = pagedserve.rms_norm(x, self.layers[0].ln1, eps)
         for i, layer in enumerate(self.layers):
