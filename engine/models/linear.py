@@ -47,8 +47,8 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
 
 
 def embedding(ids: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of an embedding table: dense in `dtype`, or a tied table kept quantized (only the
-    looked-up rows are dequantized, to the values a dense table in `dtype` would hold)."""
+    """Rows `ids` of an embedding table: dense in `dtype`, or kept quantized (only the looked-up rows are
+    dequantized, to the values a dense table in `dtype` would hold)."""
     if isinstance(table, QuantizedWeight):
         return table.rows(ids.flatten(), dtype).view(*ids.shape, table.in_features)
     return F.embedding(ids, table)
