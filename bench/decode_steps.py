@@ -27,15 +27,25 @@ class Timed:
         return statistics.median(self.times)
 
 
+class Repeat:
+    """pytest-benchmark's `pedantic`, for a test that times several runs (its fixture times one)."""
+
+    @staticmethod
+    def pedantic(fn, rounds: int, warmup_rounds: int = 0, iterations: int = 1) -> None:
+        for _ in range((warmup_rounds + rounds) * iterations):
+            fn()
+
+
 def generated(loop) -> dict[str, int]:
     return {r.id: r.generated_tokens for r in loop.scheduler.stats().requests}
 
 
-def prime_decoders(loop, batch: int, context: int, max_tokens: int) -> None:
+def prime_decoders(loop, batch: int, context: int, max_tokens: int, params=None) -> None:
     """Submit `batch` prompts of `context` tokens and step until every one is prefilled (has its first
-    token): from then on each step is exactly one decode row per request."""
+    token): from then on each step is exactly one decode row per request. `params` replaces the
+    greedy SamplingParams (their max_tokens must cover the steps to time)."""
     for prompt in random_prompts(batch, context, seed=batch):
-        loop.submit(prompt, greedy(max_tokens), bounded=False)
+        loop.submit(prompt, params or greedy(max_tokens), bounded=False)
     while True:
         loop.run_once()
         counts = generated(loop)
@@ -43,10 +53,11 @@ def prime_decoders(loop, batch: int, context: int, max_tokens: int) -> None:
             return
 
 
-def time_decode(benchmark, loop, batch: int, context: int, max_tokens: int, steps: int, warmup: int = 2) -> Timed:
+def time_decode(benchmark, loop, batch: int, context: int, max_tokens: int, steps: int, warmup: int = 2,
+                params=None) -> Timed:
     """Time `steps` decode steps of `batch` requests (after `warmup`), check each was a pure decode,
-    then cancel the requests; the loop stays usable."""
-    prime_decoders(loop, batch, context, max_tokens)
+    then cancel the requests; the loop stays usable. `params`: see prime_decoders."""
+    prime_decoders(loop, batch, context, max_tokens, params)
     before = generated(loop)
     step = Timed(loop.run_once)
     benchmark.pedantic(step, rounds=steps, warmup_rounds=warmup, iterations=1)

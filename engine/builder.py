@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.grammar import GrammarCompiler
 from engine.kv.pool import KVPool, KVShape, StatePool, plan_num_blocks, plan_num_state_slots
 from engine.loading.checkpoint import open_checkpoint
 from engine.loading.model_config import ModelConfig, parse_model_config
@@ -81,6 +82,7 @@ class Engine:
     device: torch.device
     max_model_len: int
     state_pool: StatePool | None = None
+    sampling_defaults: dict = field(default_factory=dict)   # from generation_config.json
 
     @property
     def weights(self) -> str:
@@ -123,6 +125,7 @@ def _build(cfg: EngineConfig, progress) -> Engine:
     ckpt = open_checkpoint(path)
     model_cfg = parse_model_config(ckpt.config, source=os.path.join(str(path), "config.json"))
     eos = tuple(dict.fromkeys(ckpt.generation_eos_ids() + model_cfg.eos_token_ids))
+    sampling_defaults = ckpt.sampling_defaults()
     tokenizer = load_tokenizer(path)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos += (tokenizer.eos_token_id,)
@@ -155,6 +158,7 @@ def _build(cfg: EngineConfig, progress) -> Engine:
                          graphs=DecodeGraphs if whole_graph and cfg.cuda_graphs else None)
     scheduler = Scheduler(runner, max_waiting=cfg.max_waiting, prefix_cache=cfg.prefix_cache)
     loop = EngineLoop(scheduler, tokenizer, eos, max_lag_tokens=cfg.client_max_lag_tokens,
-                      timeout_s=cfg.client_timeout_s)
+                      timeout_s=cfg.client_timeout_s,
+                      grammars=GrammarCompiler(tokenizer.to_json(), model_cfg.vocab_size, eos))
     return Engine(cfg, model_cfg, str(path), tokenizer, model, pool, runner, scheduler, loop,
-                  dtype, device, max_len, state_pool)
+                  dtype, device, max_len, state_pool, sampling_defaults)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from engine.builder import Engine, build_engine
 from engine.config import EngineConfig
+from engine.grammar import Grammar
 from engine.loop import RequestHandle
 from engine.request import SamplingParams
 from engine.stats import SchedulerStats
@@ -25,6 +26,9 @@ class EngineInfo:
     num_blocks: int
     kv_pool_tokens: int
     num_state_slots: int
+    vocab_size: int         # token ids run from 0 to vocab_size - 1
+    sampling_defaults: dict  # the model's generation_config.json temperature, top_p, ...: what an
+                             # HTTP request that leaves them out gets
 
 
 class EngineClient:
@@ -42,8 +46,9 @@ class EngineClient:
 
     def submit(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                params: SamplingParams | None = None, request_id: str | None = None,
-               client: str = "") -> RequestHandle:
-        """Exactly one of `prompt` (text or token ids) and `messages` (chat, templated here)."""
+               client: str = "", after: str | None = None) -> RequestHandle:
+        """Exactly one of `prompt` (text or token ids) and `messages` (chat, templated here).
+        `after`: see EngineLoop.submit (choices of one completion share their prompt's blocks)."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if messages is not None:
@@ -53,7 +58,16 @@ class EngineClient:
         else:
             ids = list(prompt)
         return self._loop.submit(ids, params or SamplingParams(), request_id=request_id,
-                                 client=client)
+                                 client=client, after=after)
+
+    def compile_grammar(self, grammar: Grammar) -> None:
+        """Compile (and cache) a grammar now, so that submitting it later costs nothing; raises
+        GrammarError. Slow for big grammars: call it off any thread that must stay responsive."""
+        self._loop.grammars.compile(grammar)
+
+    def grammar_literal(self, text: str) -> str:
+        """`text` as a Lark grammar writes it for this tokenizer (GrammarCompiler.literal)."""
+        return self._loop.grammars.literal(text)
 
     def cancel(self, request_id: str) -> None:
         self._loop.cancel(request_id)
@@ -70,7 +84,8 @@ class EngineClient:
             weights=e.weights, device=str(e.device), max_model_len=e.max_model_len,
             max_concurrency=e.config.max_concurrency, block_size=e.pool.shape.block_size,
             num_blocks=e.pool.num_blocks, kv_pool_tokens=e.pool.num_blocks * e.pool.shape.block_size,
-            num_state_slots=0)
+            num_state_slots=e.state_pool.num_slots if e.state_pool is not None else 0,
+            vocab_size=e.model_config.vocab_size, sampling_defaults=dict(e.sampling_defaults))
 
     def close(self) -> None:
         """Cancel what is live and stop the loop thread."""

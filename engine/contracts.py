@@ -48,6 +48,8 @@ class PlanRow:
     history: tuple[int, ...] = ()   # prompt + output so far; filled only when penalties are on
     num_prompt_tokens: int = 0      # how much of `history` is prompt (repetition vs presence)
     banned_token_ids: tuple[int, ...] = ()  # masked for this draw (EOS/stop ids before min_tokens)
+    allowed: bytes | None = None    # the request's grammar: bit i of the little-endian 32-bit
+                                    # words set = token i may be drawn (None: every token may)
 
     @property
     def end_pos(self) -> int:

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.detokenize import IncrementalDetokenizer
+from engine.grammar import GrammarCompiler, GrammarError
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler
 
@@ -158,10 +159,12 @@ class EngineLoop:
     thread while others submit and read; `run_until_idle()` runs what is queued inline."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: tuple[int, ...], *,
-                 max_lag_tokens: int = 1024, timeout_s: float = 60.0):
+                 max_lag_tokens: int = 1024, timeout_s: float = 60.0,
+                 grammars: GrammarCompiler | None = None):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
         self.max_lag_tokens = max_lag_tokens
         self.timeout_s = timeout_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -174,14 +177,23 @@ class EngineLoop:
 
     # -- client API (any thread)
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-               bounded: bool = True, client: str = "") -> RequestHandle:
+               bounded: bool = True, client: str = "", after: str | None = None) -> RequestHandle:
         """Queue a request. A prompt that can never run (too long, empty) or a full queue raises
-        RequestRejected / QueueFull here; a later rejection arrives as a final error delta."""
+        RequestRejected / QueueFull here, a grammar that does not compile GrammarError (compiled
+        here, in the caller's thread, unless cached); a later rejection arrives as a final error
+        delta. `after`: the id of a request with the same prompt (an earlier choice of the same
+        completion) whose prompt this one waits for, so as to reuse its cached K/V blocks."""
         rid = request_id or f"req-{next(self._ids)}"
         self.scheduler.check(rid, len(prompt_ids))
+        matcher = None
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise GrammarError("this engine was built without a grammar compiler")
+            matcher = self.grammars.matcher(params.grammar)
         handle = RequestHandle(self, rid, bounded)
         request = Request(id=rid, prompt_token_ids=tuple(prompt_ids), params=params,
-                          eos_token_ids=self.eos_token_ids, client=client)
+                          eos_token_ids=self.eos_token_ids, client=client, matcher=matcher,
+                          after=after)
         self._commands.put(("submit", request, handle))
         self.wake()
         return handle

@@ -5,6 +5,9 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.errors import UserError
+from engine.grammar import Grammar
+
+LOGIT_BIAS_LIMIT = 100.0      # OpenAI's range: a bias outside it is clamped
 
 
 class FinishReason(str, enum.Enum):
@@ -15,7 +18,12 @@ class FinishReason(str, enum.Enum):
 
 
 class SamplingError(UserError, ValueError):
-    """A sampling parameter is out of range; the message names it and what is allowed."""
+    """A sampling parameter is out of range; the message names it and what is allowed, `param`
+    is its name."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None       # top-N logprobs per sampled token (0 = only the sampled one)
+    grammar: Grammar | None = None    # the output must match it (engine/grammar.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), clamped to ±100
 
     def __post_init__(self) -> None:
         # accept lists/str from callers, store tuples so params stay hashable and immutable
@@ -41,6 +51,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted(
+            (int(t), max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(b)))) for t, b in bias)))
         checks = [
             ("temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)"),
             ("top_k", self.top_k >= 0 or self.top_k == -1, "must be >= 0 (0 or -1 = off)"),
@@ -55,13 +68,23 @@ class SamplingParams:
         ]
         for name, ok, allowed in checks:
             if not ok:
-                raise SamplingError(f"{name}={getattr(self, name)!r} {allowed}")
+                raise SamplingError(f"{name}={getattr(self, name)!r} {allowed}", name)
         if any(not s for s in self.stop):
-            raise SamplingError("stop strings must not be empty")
+            raise SamplingError("stop strings must not be empty", "stop")
+        if any(t < 0 for t, _ in self.logit_bias):
+            raise SamplingError(f"logit_bias: token id {self.logit_bias[0][0]} is negative; ids are >= 0",
+                                "logit_bias")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise SamplingError("logit_bias names a token id twice", "logit_bias")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def shaped(self) -> bool:
+        """Logits change before the draw: penalties or a logit bias."""
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def penalized(self) -> bool:
@@ -98,6 +121,9 @@ class Request:
     max_tokens: int = 0                       # params.max_tokens clamped to the context and pool
     pause_requested: bool = False             # paused by the consumer; applies once it decodes
     client: str = ""                          # who asked: a console session, an HTTP peer
+    matcher: object | None = None             # engine.grammar.Matcher when params.grammar is set
+    after: str | None = None                  # admitted once this request's prompt is computed, so
+                                              # it starts from that prompt's cached blocks (n > 1)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = tuple(int(t) for t in self.prompt_token_ids)

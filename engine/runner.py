@@ -93,6 +93,8 @@ class ModelRunner:
         bad = [t for t in row.token_ids if not 0 <= t < vocab]
         if bad:
             return f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+        if row.sampling is not None and row.sampling.logit_bias and row.sampling.logit_bias[-1][0] >= vocab:
+            return f"logit_bias names token id {row.sampling.logit_bias[-1][0]}, outside the vocabulary (0..{vocab - 1})"
         if row.end_pos > self.max_model_len:
             return f"position {row.end_pos} is past max_model_len {self.max_model_len}"
         if len(row.block_table) * self.pool.shape.block_size < row.end_pos:

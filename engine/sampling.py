@@ -1,10 +1,12 @@
-"""Turn the logits of sampling rows into tokens: penalties, bans, greedy or seeded random draws.
+"""Turn the logits of sampling rows into tokens: penalties, logit bias, grammar masks, bans, then greedy
+or seeded random draws.
 
 A seeded row draws from a generator seeded by (seed, index of the token being drawn), so its tokens do
 not depend on what else is in the batch, nor on a preemption that recomputes it.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.contracts import PlanRow
@@ -12,7 +14,7 @@ from engine.contracts import PlanRow
 _MASK64 = (1 << 63) - 1
 
 
-def _apply_penalties(logits: torch.Tensor, row: PlanRow) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, row: PlanRow) -> None:
     p = row.sampling
     hist = torch.tensor(row.history, dtype=torch.long, device=logits.device)
     if p.repetition_penalty != 1.0 and hist.numel():
@@ -23,7 +25,31 @@ def _apply_penalties(logits: torch.Tensor, row: PlanRow) -> torch.Tensor:
     if out.numel() and (p.presence_penalty or p.frequency_penalty):
         counts = torch.bincount(out, minlength=logits.numel()).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
+
+
+def allowed_tokens(mask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
+    """A grammar's token bitmask (engine/grammar.py Matcher.mask) as a bool tensor over the vocabulary."""
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab]
+    return torch.from_numpy(bits).to(device=device, dtype=torch.bool)
+
+
+def _shape(logits: torch.Tensor, row: PlanRow) -> None:
+    """In place on one row: penalties, logit bias, the grammar's mask, then the bans, which give
+    way where they would leave nothing to draw (a complete grammar allows only EOS)."""
+    p = row.sampling
+    if p.penalized:
+        _apply_penalties(logits, row)
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias)
+        logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+    if row.allowed is not None:
+        logits.masked_fill_(~allowed_tokens(row.allowed, logits.numel(), logits.device), float("-inf"))
+    if row.banned_token_ids:
+        banned = list(row.banned_token_ids)
+        kept = logits[banned].clone()
+        logits[banned] = float("-inf")
+        if row.allowed is not None and not torch.isfinite(logits).any():
+            logits[banned] = kept
 
 
 def _filter(logits: torch.Tensor, row: PlanRow) -> torch.Tensor:
@@ -53,23 +79,22 @@ def _draw(probs: torch.Tensor, row: PlanRow, generator: torch.Generator | None) 
 
 
 def sample(logits: torch.Tensor, rows: list[PlanRow], generator: torch.Generator | None = None):
-    """logits: fp32 `[len(rows), vocab]`. Returns one (token, logprob, top_logprobs) per row."""
+    """logits: fp32 `[len(rows), vocab]`, changed in place. Returns one (token, logprob,
+    top_logprobs) per row; logprobs are the model's own, before penalties, bias and masks."""
     want_logprobs = any(r.sampling.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    plain = all(r.sampling.greedy and not r.sampling.penalized and not r.banned_token_ids
-                for r in rows)
-    if plain:
-        tokens = logits.argmax(dim=-1).tolist()
-    else:
-        tokens = []
-        for i, row in enumerate(rows):
-            x = logits[i].clone()
-            if row.sampling.penalized:
-                x = _apply_penalties(x, row)
-            if row.banned_token_ids:
-                x[list(row.banned_token_ids)] = float("-inf")
-            tokens.append(int(x.argmax()) if row.sampling.greedy
-                          else _draw(_filter(x, row), row, generator))
+    for i, row in enumerate(rows):      # rows that draw from the model's logits as they are skip this
+        if row.sampling.shaped or row.banned_token_ids or row.allowed is not None:
+            _shape(logits[i], row)
+    greedy = [i for i, r in enumerate(rows) if r.sampling.greedy]
+    tokens: list[int] = [0] * len(rows)
+    if greedy:
+        picks = (logits if len(greedy) == len(rows) else logits[greedy]).argmax(dim=-1).tolist()
+        for i, tok in zip(greedy, picks):
+            tokens[i] = tok
+    for i, row in enumerate(rows):
+        if not row.sampling.greedy:
+            tokens[i] = _draw(_filter(logits[i], row), row, generator)
     out = []
     for i, (row, tok) in enumerate(zip(rows, tokens)):
         n = row.sampling.logprobs

@@ -238,6 +238,9 @@ class Scheduler:
         if req.state is RequestState.PREFILL:
             self._rotation.remove(req.id)
             req.state = RequestState.PAUSED if req.pause_requested else RequestState.DECODE
+        if req.matcher is not None and not req.matcher.accept(out.token):
+            return self._retire(req, FinishReason.ERROR, out=out,
+                                error=f"the grammar refused token {out.token}: {req.matcher.error}")
         reason = self._finish_reason(req)
         if reason is not None:
             return self._retire(req, reason, out=out)
@@ -247,6 +250,8 @@ class Scheduler:
         out = req.output_token_ids
         # a stop id counts only when drawn unbanned (min_tokens already generated before it)
         if len(out) > min(req.params.min_tokens, req.max_tokens - 1) and out[-1] in req.stop_token_ids:
+            return FinishReason.STOP
+        if req.matcher is not None and req.matcher.done:   # complete: nothing but EOS could follow
             return FinishReason.STOP
         if len(out) >= req.max_tokens or len(req.all_token_ids) >= self._limits.max_model_len:
             return FinishReason.LENGTH
@@ -327,6 +332,8 @@ class Scheduler:
         for req in list(self._waiting):
             if req.pause_requested:
                 continue
+            if self._prompt_pending(req.after):
+                return
             no_slot = lim.num_state_slots and not self._prefix.slots.available
             if len(self._running) >= lim.max_rows or no_slot:
                 return
@@ -344,6 +351,13 @@ class Scheduler:
             req.state = RequestState.PREFILL
             self._running.append(req)
             self._rotation.append(req.id)
+
+    def _prompt_pending(self, request_id: str | None) -> bool:
+        """A live request whose prompt is not computed yet: who follows it waits, so as to start
+        from its cached blocks instead of computing the same prompt alongside it."""
+        req = self._live.get(request_id) if request_id is not None else None
+        return (req is not None and self._prefix.cache is not None
+                and req.state in (RequestState.WAITING, RequestState.PREFILL))
 
     def _grant_prefill(self, limits: EngineLimits, row_cap: int) -> dict[str, int]:
         """Round-robin quanta over prefillers in rotation order, repeated while capacity remains;
@@ -381,7 +395,8 @@ class Scheduler:
             history=all_ids if sample and params.penalized else (),
             num_prompt_tokens=len(req.prompt_token_ids),
             banned_token_ids=(req.stop_token_ids
-                              if sample and len(req.output_token_ids) < params.min_tokens else ()))
+                              if sample and len(req.output_token_ids) < params.min_tokens else ()),
+            allowed=req.matcher.mask() if sample and req.matcher is not None else None)
 
 
 def _decode_rate(req: Request, now: float) -> float:

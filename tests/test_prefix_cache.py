@@ -2,7 +2,7 @@
 checkpoints, and random workloads whose outputs must match cache-off runs. No model."""
 from __future__ import annotations
 
-from fake_engine import drain, make_request, make_scheduler, tokens
+from fake_engine import check_invariants, drain, make_request, make_scheduler, prompt, tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -221,3 +221,42 @@ def test_random_workloads_share_blocks_safely_and_keep_outputs(cfg, ops):
         if req.finish_reason in (FinishReason.LENGTH, FinishReason.STOP):
             want = run_alone(req.id, req.prompt_token_ids, req.params.max_tokens, **ref_kw)
             assert req.output_token_ids == want[:len(req.output_token_ids)], req.id
+
+
+def test_choices_of_one_completion_wait_for_the_first_and_share_its_prompt_blocks():
+    # n = 3 choices of one 18-token prompt: the first computes it, the others start from its 4 full
+    # blocks (held by all three at once) and recompute only the last partial block
+    sched, engine, _ = make_scheduler(prefix_cache=True, block_size=4, max_rows=3,
+                                      max_prefill_tokens_total=8, prefill_quantum=8)
+    ids = prompt(18)
+    sched.add(Request("c", ids, SamplingParams(max_tokens=6)))
+    for i in (1, 2):
+        sched.add(Request(f"c-{i}", ids, SamplingParams(max_tokens=6), after="c"))
+    shared = []
+    for _ in range(100):
+        if not sched.has_work:
+            break
+        sched.step()
+        check_invariants(sched)
+        running = {r.id: r for r in sched._running}
+        if len(running) == 3:
+            shared.append([sched._allocator.refcount(b) for b in running["c-1"].block_ids[:4]])
+    first = {rid: first_row(engine, rid) for rid in ("c-1", "c-2")}
+    table = [r for p in engine.plans for r in p.rows if r.request_id == "c"][-1].block_table
+    assert all(first[r].start_pos == 16 and first[r].block_table[:4] == table[:4] for r in first)
+    # no follower ran before the first choice's prompt was computed
+    plans = [{row.request_id for row in p.rows} for p in engine.plans]
+    done = next(k for k, p in enumerate(engine.plans)
+                for row in p.rows if row.request_id == "c" and row.sample)
+    assert not any({"c-1", "c-2"} & rows for rows in plans[:done + 1])
+    assert shared and all(counts == [3, 3, 3, 3] for counts in shared)
+    assert sched.stats().blocks_used == 0
+
+
+def test_a_follower_without_the_prefix_cache_just_computes_its_prompt():
+    sched, engine, _ = make_scheduler(prefix_cache=False, block_size=4, max_rows=2)
+    ids = prompt(10)
+    sched.add(Request("c", ids, SamplingParams(max_tokens=3)))
+    sched.add(Request("c-1", ids, SamplingParams(max_tokens=3), after="c"))
+    events = drain(sched)
+    assert first_row(engine, "c-1").start_pos == 0 and len(tokens(events["c-1"])) == 3

@@ -142,6 +142,14 @@ class Checkpoint:
                                   f"the file may be truncated") from None
         return tensor
 
+    def sampling_defaults(self) -> dict[str, float]:
+        """The sampling settings generation_config.json recommends (temperature, top_p, top_k,
+        min_p, repetition_penalty); {} when the file has none."""
+        file = self.path / "generation_config.json"
+        data = _read_json(file) if file.is_file() else {}
+        return {k: data[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                if isinstance(data.get(k), (int, float)) and not isinstance(data.get(k), bool)}
+
     def generation_eos_ids(self) -> tuple[int, ...]:
         """End-of-sequence ids from generation_config.json; () when the file or key is absent."""
         file = self.path / "generation_config.json"

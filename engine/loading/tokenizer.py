@@ -93,6 +93,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._rust.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """tokenizer.json's content (for llguidance, engine/grammar.py)."""
+        return self._rust.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._rust.id_to_token(token_id)
 
