@@ -99,34 +99,26 @@ class Matcher:
 
 
 class GrammarCompiler:
-    """Compiles grammars for one tokenizer and keeps the latest `cache_size` of them. Thread-safe;
-    the llguidance tokenizer (about 0.7 s for a 150k vocabulary) is built on first use."""
+    """Compiles grammars for one tokenizer and keeps the latest `cache_size` of them. Thread-safe.
+    Building its llguidance tokenizer holds the GIL (0.9 s for a 150k vocabulary), which would
+    stall every running request: the engine builds the compiler while it loads, not while it serves."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...],
                  cache_size: int = 256) -> None:
-        self._tokenizer_json = tokenizer_json
-        self._vocab_size = vocab_size
-        self._eos = list(eos_token_ids)
+        import llguidance
+
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                 eos_token=list(eos_token_ids))
         self._cache_size = cache_size
         self._cache: OrderedDict[Grammar, object] = OrderedDict()
         self._lock = threading.Lock()
-        self._tokenizer = None
-
-    def _llg_tokenizer(self):
-        with self._lock:
-            if self._tokenizer is None:
-                import llguidance
-                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self._vocab_size,
-                                                         eos_token=self._eos)
-            return self._tokenizer
 
     def literal(self, text: str) -> str:
         """`text` in a Lark grammar: a quoted string, or the token itself when the tokenizer has
         `text` as one special token (llguidance matches those only by token, e.g. Qwen's
         `<tool_call>`, which the model writes as one token)."""
-        tokenizer = self._llg_tokenizer()
-        ids = tokenizer.tokenize_str(text, parse_special=True)
-        if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
+        ids = self._tokenizer.tokenize_str(text, parse_special=True)
+        if len(ids) == 1 and self._tokenizer.is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
         return json.dumps(text)
 
@@ -138,12 +130,11 @@ class GrammarCompiler:
                 return self._cache[grammar]
         import llguidance
 
-        tokenizer = self._llg_tokenizer()
         source = grammar.llguidance()
         if grammar.reasoning:
             source = self._after_reasoning(source, grammar.reasoning)
         # the constructor drops the GIL while it builds the grammar: other threads go on
-        matcher = llguidance.LLMatcher(tokenizer, source, log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer, source, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"{grammar.kind.replace('_', ' ')} cannot be used: "
                                f"{matcher.get_error().strip()}")
