@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.metadata
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from click.core import ParameterSource
 
 from engine import config as cfg
 from engine.errors import UserError
+from engine.grammar import Grammar
 from engine.request import SamplingParams
 
 ENV_PREFIX = "PAGEDSERVE_"
@@ -53,10 +55,12 @@ def _key_option(section: type, f: dataclasses.Field, hidden: bool):
     flag = "--" + f.name.replace("_", "-")
     decls = [f"{flag}/--no-{flag[2:]}" if isinstance(default, bool) else flag, f.name]
     choices = f.metadata["choices"]
+    many = isinstance(default, tuple)     # a list key: the flag is repeated, once per value
     return click.option(
         *decls, cls=KeyOption, section=section, default=default, show_default=True,
-        type=click.Choice(choices) if choices else _CLICK_TYPES[type(default)],
-        envvar=ENV_PREFIX + f.name.upper(), show_envvar=True, hidden=hidden, help=f.metadata["help"],
+        type=click.Choice(choices) if choices else _CLICK_TYPES[str if many else type(default)],
+        multiple=many, envvar=ENV_PREFIX + f.name.upper(), show_envvar=True, hidden=hidden,
+        help=f.metadata["help"],
     )
 
 
@@ -273,15 +277,27 @@ def _make_llm(ctx: click.Context):
     return LLM(**section_values(ctx, cfg.EngineConfig))
 
 
+def _schema_grammar(path: Path | None) -> Grammar | None:
+    if path is None:
+        return None
+    try:
+        return Grammar.json_schema(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise click.BadParameter(f"{path} is not a readable JSON file: {e}", param_hint="--json-schema") from None
+
+
 @main.command()
 @click.option("--prompt", required=True, help="The prompt text.")
 @sampling_options
+@click.option("--json-schema", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Constrain the output to JSON that validates against the JSON schema in this file.")
 @key_options(cfg.EngineConfig, visible=COMMON_ENGINE_FLAGS)
 @click.pass_context
 def generate(ctx: click.Context, prompt: str, max_tokens: int, temperature: float, seed: int | None,
-             **_keys: Any) -> None:
+             json_schema: Path | None, **_keys: Any) -> None:
     """Generate a completion of --prompt and print it."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                            grammar=_schema_grammar(json_schema))
     llm = _make_llm(ctx)
     click.echo(llm.generate([prompt], params)[0].text)
 

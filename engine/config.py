@@ -107,6 +107,19 @@ class ServerConfig:
     api_key: str = _key("", "a string (empty = no key)", lambda v: True,
                         "clients must send `Authorization: Bearer <api_key>`; empty = no authentication")
     max_body_bytes: int = _key(1048576, "an integer >= 1", lambda v: v >= 1, "largest request body accepted")
+    served_model_name: tuple = _key((), "a list of non-empty names", lambda v: all(v),
+                                    "names clients send as `model` and /v1/models lists (repeat the flag "
+                                    "for aliases); empty = the preset name, or the model file's or "
+                                    "directory's name")
+    tool_call_parser: str = _choice("auto", ("auto", "hermes", "qwen3_coder", "none"),
+                                    "how tool calls are read from replies; auto = from the chat template "
+                                    "(<function=...> = qwen3_coder, <tool_call> = hermes), none = as text")
+    reasoning_parser: str = _choice("auto", ("auto", "qwen3", "none"),
+                                    "how <think> blocks are split into reasoning_content; auto = qwen3 when "
+                                    "the chat template has <think>, none = left in content")
+    sse_keepalive_s: float = _key(1.0, "a number > 0 (seconds)", lambda v: v > 0,
+                                  "a stream with nothing to send (queued, or in a long prefill) gets a "
+                                  "`: keep-alive` comment this often")
 
     def __post_init__(self) -> None:
         _validate_instance(self)
@@ -156,6 +169,8 @@ def _value_problems(f: dataclasses.Field, value: Any, name: str) -> list[str]:
     kind = type(default_of(f))
     if kind is float:  # TOML and callers write 60 for 60.0
         typed = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif kind is tuple:  # a list of strings (TOML arrays and click's repeated flags)
+        typed = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
     else:  # bool is an int subclass: `max_concurrency = true` must not pass
         typed = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
     if kind is dict and typed:
@@ -182,6 +197,8 @@ def _normalized(value: Any) -> Any:
     # tomlkit hands out str/int/dict subclasses; store plain values so configs compare and print plainly
     if isinstance(value, Mapping):
         return {str(k): _normalized(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return tuple(_normalized(v) for v in value)
     for kind in (bool, int, float, str):
         if isinstance(value, kind):
             return kind(value)
@@ -305,6 +322,8 @@ def parse_value(dotted: str, text: str) -> Any:
         if text.lower() not in _TRUE + _FALSE:
             raise problem
         return text.lower() in _TRUE
+    if kind is tuple:   # `config set server.served_model_name "a,b"`
+        return [part.strip() for part in text.split(",") if part.strip()]
     try:
         return kind(text)
     except ValueError:

@@ -3,6 +3,7 @@ with a fake LLM, models/pull with a fake preset module, and a --help that loads 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -332,3 +333,24 @@ def test_generate_with_bad_input_prints_the_error_not_a_traceback(home, args, me
     result = CliRunner().invoke(main, ["generate", "--prompt", "hi", *args])
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_generate_json_schema_constrains_the_output(home, tiny_checkpoint):
+    import jsonschema
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    (home / "schema.json").write_text(json.dumps(schema))
+    model = tiny_checkpoint("qwen3", tied=False, heads=8, kv_heads=2, head_dim=32)
+    result = CliRunner().invoke(main, ["generate", "--model", str(model), "--dtype", "float32", "--prompt", "hi",
+                                       "--json-schema", "schema.json", "--temperature", "1", "--seed", "0",
+                                       "--max-tokens", "200"])
+    assert result.exit_code == 0, result.output
+    jsonschema.validate(json.loads(result.output), schema)
+    (home / "bad.json").write_text('{"type": "objekt"}')
+    bad = CliRunner().invoke(main, ["generate", "--model", str(model), "--dtype", "float32", "--prompt", "hi",
+                                    "--json-schema", "bad.json"])
+    assert bad.exit_code == 2 and "objekt" in bad.output and "Traceback" not in bad.output
+    (home / "broken.json").write_text('{"type": ')
+    broken = CliRunner().invoke(main, ["generate", "--prompt", "hi", "--json-schema", "broken.json"])
+    assert broken.exit_code == 2 and "broken.json is not a readable JSON file" in broken.output

@@ -40,7 +40,9 @@ def model_dir(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def server(model_dir):
     # the body limit comes from the environment: precedence flag > env > file works through click
+    # keep-alive comments every 50 ms: a queued request sees several long before its first token
     srv = ServerProcess(model_dir, "--api-key", API_KEY, "--max-concurrency", "4",
+                        "--sse-keepalive-s", "0.05",
                         max_model_len=MAX_MODEL_LEN, env={"PAGEDSERVE_MAX_BODY_BYTES": str(MAX_BODY_BYTES)})
     try:
         srv.wait_ready()
@@ -115,9 +117,12 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"model": "x"}, None, 400, "messages", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
      None, 400, "temperature", "temperature"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2},
-     None, 400, "n=2", "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0},
+     None, 400, "greater than or equal to 1", "n"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, None, 400, "top_p", "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]},
+     None, 400, "chat template does not show tools", "tools"),
     ("/v1/completions", {"prompt": "hi", "stop": ""}, None, 400, "stop", "stop"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', None, 400, "temperature",
      "temperature"),
@@ -158,7 +163,7 @@ def test_client_mistakes_get_openai_errors(server, auth, model_dir, path, body, 
 
 def test_models_props_and_tokenize(server, auth, model_dir):
     models = httpx.get(server.url + "/v1/models", headers=auth).json()
-    assert [m["id"] for m in models["data"]] == [str(model_dir)]
+    assert [m["id"] for m in models["data"]] == [model_dir.name]     # a name, never the path
     props = httpx.get(server.url + "/props", headers=auth).json()
     assert props["architecture"] == "Qwen3ForCausalLM" and props["dtype"] == "float32"
     assert (props["max_model_len"], props["kv_pool_tokens"], props["block_size"]) == (256, 4096, 16)

@@ -150,7 +150,7 @@ def test_stalled_client_is_dropped_after_the_write_timeout():
 
     async def run() -> float:
         stream = EventStream(events(), on_close=lambda: closed.append("on_close"),
-                             send_timeout_s=0.3)
+                             send_timeout_s=0.3, keepalive_s=1.0)
         start = time.monotonic()
         await asyncio.wait_for(stream({"type": "http"}, never, send), 10)
         return time.monotonic() - start

@@ -8,6 +8,7 @@ import threading
 from typing import Callable
 
 from engine.config import EngineConfig, ServerConfig
+from engine.server import reasoning, tool_parsers
 from engine.server.errors import APIError
 from engine.server.metrics import ServerMetrics
 from engine.stats import SchedulerStats
@@ -15,10 +16,12 @@ from engine.stats import SchedulerStats
 log = logging.getLogger("pagedserve.server")
 
 
-def served_names(model: str) -> tuple[str, ...]:
-    """The names the `model` field may use: the configured spec and its basename."""
-    base = os.path.basename(model.rstrip("/\\"))
-    return tuple(dict.fromkeys(n for n in (model, base) if n))
+def served_names(model: str, aliases: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The names the `model` field may use, the one /v1/models lists first: the configured aliases,
+    else the model's own name (a preset name, or a file's or directory's name, never its path)."""
+    if aliases:
+        return tuple(dict.fromkeys(aliases))
+    return (os.path.basename(model.rstrip("/\\")) or model,)
 
 
 class EngineHost:
@@ -26,12 +29,15 @@ class EngineHost:
                  build: Callable[[EngineConfig], object] | None = None):
         self.engine_cfg = engine_cfg
         self.server_cfg = server_cfg
-        self.names = served_names(engine_cfg.model)
+        self.names = served_names(engine_cfg.model, server_cfg.served_model_name)
+        # without aliases the spec itself (a path, say) is still accepted, just never listed
+        self._accepted = set(self.names) | ({engine_cfg.model} if not server_cfg.served_model_name else set())
         self.client = None
+        self.info = None                      # engine.client.EngineInfo once loaded
         self.load_error: str | None = None
         self.draining = False
-        self.shed: set[str] = set()           # ids cancelled by shutdown: answered 503
-        self.live: dict[str, object] = {}     # id -> RequestHandle, submitted by this server
+        self.shed: set[str] = set()           # engine request ids cancelled by shutdown: answered 503
+        self.live: dict[str, list] = {}       # completion id -> its choices' RequestHandles
         self.metrics = ServerMetrics(self.stats)
         self._build = build
         self._loader: threading.Thread | None = None
@@ -44,7 +50,9 @@ class EngineHost:
                 if build is None:
                     from engine.client import EngineClient   # torch: loaded off the event loop
                     build = EngineClient.from_config
-                self.client = build(self.engine_cfg)
+                client = build(self.engine_cfg)
+                self.info = client.info()
+                self.client = client
                 log.info("model %s ready", self.engine_cfg.model)
             except Exception as exc:  # noqa: BLE001 - any load failure ends the server with its message
                 self.load_error = f"{type(exc).__name__}: {exc}"
@@ -63,14 +71,16 @@ class EngineHost:
         if self.client is None:
             return
         states = {r.id: r.state for r in self.client.stats().requests}
-        for rid in list(self.live):
-            if states.get(rid, "waiting") == "waiting":     # not in the table yet = still queued
-                self.shed.add(rid)
-                self.client.cancel(rid)
+        for handles in list(self.live.values()):
+            for handle in handles:
+                if states.get(handle.id, "waiting") == "waiting":   # not in the table yet = queued
+                    self.shed.add(handle.id)
+                    handle.cancel()
 
     def cancel_all(self) -> None:
-        for rid in list(self.live):
-            self.client.cancel(rid)
+        for handles in list(self.live.values()):
+            for handle in handles:
+                handle.cancel()
 
     def close(self) -> None:
         if self.client is not None:
@@ -88,44 +98,71 @@ class EngineHost:
                                 "answers 200", code="model_loading")
         return self.client
 
+    @property
+    def tool_format(self) -> str | None:
+        """The tool-call format replies are parsed in (engine/server/tool_parsers.py), or None."""
+        return self._parser(self.server_cfg.tool_call_parser, tool_parsers.parser_for_template)
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """"qwen3" when <think> blocks are split into reasoning_content, else None."""
+        return self._parser(self.server_cfg.reasoning_parser, reasoning.parser_for_template)
+
+    def _parser(self, setting: str, from_template: Callable[[str | None], str | None]) -> str | None:
+        if setting == "auto":
+            return from_template(self.require_client(admitting=False).tokenizer.chat_template)
+        return None if setting == "none" else setting
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.names:
+        if name is not None and name not in self._accepted:
             served = " or ".join(repr(n) for n in self.names)
             raise APIError(404, f"model {name!r} is not served here; use {served} (GET /v1/models)",
                            param="model", code="model_not_found")
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.require_client().engine.model_config.vocab_size
+        self.require_client()
+        vocab = self.info.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is out of range; ids must be in [0, {vocab})",
                            param=param, code="invalid_value")
 
-    def submit(self, request_id: str, *, prompt=None, messages=None, params, client: str):
+    def submit(self, completion_id: str, prompt_ids: list[int], params: list, *, client: str,
+               param: str = "prompt") -> list:
+        """One engine request per choice (params[i] for choice i); choices after the first start
+        from the first's cached prompt blocks. Rejections are 400/503 naming `param`."""
+        from engine.grammar import GrammarError
         from engine.scheduler import QueueFull, RequestRejected
         engine = self.require_client()
+        handles: list = []
         try:
-            handle = engine.submit(prompt, messages=messages, params=params,
-                                   request_id=request_id, client=client)
-        except QueueFull as e:
-            raise APIError(503, str(e), code="queue_full") from None
-        except RequestRejected as e:
-            param = "messages" if messages is not None else "prompt"
-            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
-        except Exception as e:  # noqa: BLE001 - a chat template refusing the messages, say
-            raise APIError(400, f"could not prepare the prompt: {e}",
-                           param="messages" if messages is not None else "prompt") from None
-        self.live[request_id] = handle
-        return handle
+            for i, choice_params in enumerate(params):
+                handles.append(engine.submit(prompt_ids, params=choice_params,
+                                             request_id=completion_id if i == 0 else f"{completion_id}-{i}",
+                                             client=client, after=completion_id if i else None))
+        except (QueueFull, RequestRejected, GrammarError) as e:
+            for handle in handles:
+                handle.cancel()
+            if isinstance(e, QueueFull):
+                raise APIError(503, str(e), code="queue_full") from None
+            code = "context_length_exceeded" if isinstance(e, RequestRejected) else "invalid_value"
+            raise APIError(400, str(e), param=param, code=code) from None
+        self.live[completion_id] = handles
+        return handles
 
-    def release(self, request_id: str) -> None:
-        self.live.pop(request_id, None)
-        self.shed.discard(request_id)
+    def release(self, completion_id: str) -> None:
+        for handle in self.live.pop(completion_id, ()):
+            self.shed.discard(handle.id)
 
     def cancel(self, request_id: str) -> bool:
+        """Cancel a completion (all its choices) or any engine request by id."""
         if self.client is None:
             return False
-        known = request_id in self.live or any(r.id == request_id for r in self.stats().requests)
+        if request_id in self.live:
+            for handle in self.live[request_id]:
+                handle.cancel()
+            return True
+        known = any(r.id == request_id for r in self.stats().requests)
         if known:
             self.client.cancel(request_id)
         return known

@@ -1,6 +1,7 @@
-"""Reading one request's deltas for HTTP: latency metrics as the client sees them, then either SSE
-chunks or one whole answer. A request that ends here for any reason (disconnect, error, shutdown)
-is cancelled in the engine and leaves the server's table."""
+"""Reading one completion's deltas for HTTP (one engine request per choice): latency metrics as the
+client sees them, then either SSE chunks or one whole answer. A completion that ends here for any
+reason (disconnect, error, shutdown) has its unfinished choices cancelled in the engine and leaves
+the server's table."""
 from __future__ import annotations
 
 import asyncio
@@ -15,38 +16,67 @@ from engine.server.sse import sse_event, wait_for_disconnect
 
 
 class Generation:
-    def __init__(self, host: EngineHost, handle, fmt, *, want_logprobs: bool):
+    def __init__(self, host: EngineHost, completion_id: str, handles: list, fmt, *,
+                 want_logprobs: bool):
         self.host = host
-        self.handle = handle
+        self.id = completion_id
+        self.handles = handles
         self.fmt = fmt
         self.want_logprobs = want_logprobs
         self._arrival = time.monotonic()
-        self._last_token: float | None = None
+        self._last_token: list[float | None] = [None] * len(handles)
+        self._finished = [False] * len(handles)
         self._shed = False          # cancelled by shutdown before it started: answered 503
 
-    async def deltas(self) -> AsyncIterator[Delta]:
-        """The handle's deltas, timed; cancels the request if the reader stops early."""
-        metrics, finished = self.host.metrics, False
+    def _observe(self, index: int, delta: Delta) -> None:
+        metrics, now, n = self.host.metrics, time.monotonic(), len(delta.token_ids)
+        last = self._last_token[index]
+        if n and last is None:
+            metrics.ttft.observe(now - self._arrival)
+        elif n:
+            for _ in range(n):      # a merged delta: its tokens shared the wait
+                metrics.itl.observe((now - last) / n)
+        if n:
+            self._last_token[index] = now
+        if delta.finish_reason is not None:
+            self._finished[index] = True
+            self._shed |= self.handles[index].id in self.host.shed   # before release forgets it
+            metrics.finished.labels(delta.finish_reason.value).inc()
+            metrics.e2e.observe(now - self._arrival)
+
+    async def _merged(self) -> AsyncIterator[tuple[int, Delta]]:
+        if len(self.handles) == 1:      # the common case pays for no tasks
+            async for delta in self.handles[0]:
+                yield 0, delta
+            return
+        streams = [h.__aiter__() for h in self.handles]
+        pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
         try:
-            async for delta in self.handle:
-                now, n = time.monotonic(), len(delta.token_ids)
-                if n and self._last_token is None:
-                    metrics.ttft.observe(now - self._arrival)
-                elif n:
-                    for _ in range(n):      # a merged delta: its tokens shared the wait
-                        metrics.itl.observe((now - self._last_token) / n)
-                self._last_token = now if n else self._last_token
-                if delta.finish_reason is not None:
-                    finished = True
-                    self._shed = self.handle.id in self.host.shed   # before release forgets it
-                    metrics.finished.labels(delta.finish_reason.value).inc()
-                    metrics.e2e.observe(now - self._arrival)
-                yield delta
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=pending.get):
+                    i = pending.pop(task)
+                    delta = task.result()
+                    yield i, delta
+                    if delta.finish_reason is None:
+                        pending[asyncio.ensure_future(anext(streams[i]))] = i
         finally:
-            if not finished:                # the client left (or stalled) before the end
-                self.handle.cancel()
-                metrics.finished.labels("cancelled").inc()
-            self.host.release(self.handle.id)
+            for task in pending:
+                task.cancel()
+
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        """Every choice's deltas as they come, timed; cancels what is unfinished if the reader
+        stops early."""
+        try:
+            async for index, delta in self._merged():
+                self._observe(index, delta)
+                yield index, delta
+        finally:
+            for handle, finished in zip(self.handles, self._finished):
+                if not finished:        # the client left (or stalled) before the end
+                    handle.cancel()
+                    self.host.metrics.finished.labels("cancelled").inc()
+            self.host.release(self.id)
 
     def _failure(self, delta: Delta) -> APIError | None:
         if delta.finish_reason is FinishReason.CANCELLED and self._shed:
@@ -59,11 +89,11 @@ class Generation:
 
     async def whole(self, receive) -> dict:
         """The complete answer; a client that disconnects meanwhile cancels it."""
-        total = Delta()
+        totals = [Delta() for _ in self.handles]
 
         async def collect() -> None:
-            async for delta in self.deltas():
-                total.merge(delta)
+            async for index, delta in self.deltas():
+                totals[index].merge(delta)
 
         work = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(wait_for_disconnect(receive))
@@ -75,29 +105,28 @@ class Generation:
             await asyncio.gather(work, gone, return_exceptions=True)
         if work.done() and not work.cancelled() and work.exception() is not None:
             raise work.exception()
-        if total.finish_reason is None:
+        if any(t.finish_reason is None for t in totals):
             raise APIError(499, "client closed the request", code="client_closed")
-        failure = self._failure(total)
-        if failure is not None:
-            raise failure
-        return self.fmt.whole(total.text, total.logprobs, total.finish_reason, self.want_logprobs,
-                              total.prompt_tokens, total.completion_tokens)
+        for total in totals:
+            failure = self._failure(total)
+            if failure is not None:
+                raise failure
+        return self.fmt.whole(totals, self.want_logprobs)
 
     async def events(self, include_usage: bool) -> AsyncIterator[bytes]:
         """SSE chunks, the usage chunk if asked, then `data: [DONE]`."""
-        first = self.fmt.role_chunk()
-        if first is not None:
-            yield sse_event(first)
-        last = Delta()
-        async for delta in self.deltas():
-            last = delta
+        for chunk in self.fmt.role_chunks():
+            yield sse_event(chunk)
+        last = [Delta() for _ in self.handles]
+        async for index, delta in self.deltas():
+            last[index] = delta
             failure = self._failure(delta)
             if failure is not None:
                 yield sse_event(failure.body())
                 break
-            if delta.text or delta.finish_reason is not None or (self.want_logprobs and delta.logprobs):
-                yield sse_event(self.fmt.chunk(delta.text, delta.logprobs, delta.finish_reason,
-                                               self.want_logprobs))
+            chunk = self.fmt.chunk(index, delta, self.want_logprobs)
+            if chunk is not None:
+                yield sse_event(chunk)
         if include_usage:
-            yield sse_event(self.fmt.usage_chunk(last.prompt_tokens, last.completion_tokens))
+            yield sse_event(self.fmt.usage_chunk(last))
         yield sse_event("[DONE]")

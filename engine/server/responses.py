@@ -1,9 +1,13 @@
-"""OpenAI response objects for chat and text completions: whole answers, stream chunks, logprobs."""
+"""OpenAI response objects for chat and text completions: whole answers and stream chunks for every
+choice, tool calls, reasoning, logprobs."""
 from __future__ import annotations
 
 import time
 
+from engine.loop import Delta
 from engine.request import FinishReason
+from engine.server.chat_output import ChatOutput
+from engine.server.tool_parsers import ToolCallDelta
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
@@ -13,6 +17,11 @@ def finish_reason(reason: FinishReason | None) -> str | None:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def usage_of(totals: list[Delta]) -> dict:
+    """The choices share one prompt: it counts once."""
+    return usage(max(t.prompt_tokens for t in totals), sum(t.completion_tokens for t in totals))
 
 
 class _Format:
@@ -29,12 +38,18 @@ class _Format:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return self._envelope(self.CHUNK, [], usage=usage(prompt_tokens, completion_tokens))
+    def usage_chunk(self, totals: list[Delta]) -> dict:
+        return self._envelope(self.CHUNK, [], usage=usage_of(totals))
 
 
 class ChatFormat(_Format):
     CHUNK = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, tokenizer, outputs: list[ChatOutput],
+                 reasoning_field: bool = False):
+        super().__init__(request_id, model, tokenizer)
+        self.outputs = outputs          # one per choice
+        self.reasoning_field = reasoning_field  # the server splits reasoning: the field is always there
 
     def logprobs(self, entries: list[tuple]) -> dict | None:
         if not entries:
@@ -46,26 +61,67 @@ class ChatFormat(_Format):
         return {"content": [item(t, lp) | {"top_logprobs": [item(i, v) for i, v in top]}
                             for t, lp, top in entries]}
 
-    def role_chunk(self) -> dict:
-        return self._envelope(self.CHUNK, [{"index": 0, "delta": {"role": "assistant",
-                                                                   "content": ""},
-                                            "logprobs": None, "finish_reason": None}])
+    def role_chunks(self) -> list[dict]:
+        return [self._envelope(self.CHUNK, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}])
+                for i in range(len(self.outputs))]
 
-    def chunk(self, text: str, logprobs: list[tuple], reason: FinishReason | None,
-              want_logprobs: bool) -> dict:
-        delta = {"content": text} if text or reason is None else {}
-        return self._envelope(self.CHUNK, [{
-            "index": 0, "delta": delta,
-            "logprobs": self.logprobs(logprobs) if want_logprobs else None,
-            "finish_reason": finish_reason(reason)}])
+    def _reason(self, index: int, reason: FinishReason | None) -> str | None:
+        if reason is FinishReason.STOP and self.outputs[index].called:
+            return "tool_calls"
+        return finish_reason(reason)
 
-    def whole(self, text: str, logprobs: list[tuple], reason: FinishReason | None,
-              want_logprobs: bool, prompt_tokens: int, completion_tokens: int) -> dict:
-        return self._envelope("chat.completion", [{
-            "index": 0, "message": {"role": "assistant", "content": text},
-            "logprobs": self.logprobs(logprobs) if want_logprobs else None,
-            "finish_reason": finish_reason(reason)}],
-            usage=usage(prompt_tokens, completion_tokens))
+    def chunk(self, index: int, delta: Delta, want_logprobs: bool) -> dict | None:
+        piece = self.outputs[index].feed(delta.text, final=delta.finish_reason is not None)
+        logprobs = self.logprobs(delta.logprobs) if want_logprobs else None
+        if not piece and delta.finish_reason is None and logprobs is None:
+            return None
+        body: dict = {}
+        if piece.reasoning:
+            body["reasoning_content"] = piece.reasoning
+        if piece.content:
+            body["content"] = piece.content
+        if piece.tool_calls:
+            body["tool_calls"] = [_call_delta(c) for c in piece.tool_calls]
+        return self._envelope(self.CHUNK, [{"index": index, "delta": body, "logprobs": logprobs,
+                                            "finish_reason": self._reason(index, delta.finish_reason)}])
+
+    def whole(self, totals: list[Delta], want_logprobs: bool) -> dict:
+        choices = []
+        for i, total in enumerate(totals):
+            output = self.outputs[i]
+            piece = output.feed(total.text, final=True)
+            message: dict = {"role": "assistant",
+                             "content": piece.content or (None if piece.tool_calls else "")}
+            if self.reasoning_field:
+                message["reasoning_content"] = piece.reasoning or None
+            if piece.tool_calls:
+                message["tool_calls"] = _whole_calls(piece.tool_calls)
+            choices.append({"index": i, "message": message,
+                            "logprobs": self.logprobs(total.logprobs) if want_logprobs else None,
+                            "finish_reason": self._reason(i, total.finish_reason)})
+        return self._envelope("chat.completion", choices, usage=usage_of(totals))
+
+
+def _call_delta(call: ToolCallDelta) -> dict:
+    out: dict = {"index": call.index}
+    if call.id is not None:
+        out |= {"id": call.id, "type": "function"}
+    function = {"arguments": call.arguments}
+    if call.name is not None:
+        function = {"name": call.name} | function
+    return out | {"function": function}
+
+
+def _whole_calls(deltas: list[ToolCallDelta]) -> list[dict]:
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, {"id": None, "type": "function",
+                                          "function": {"name": None, "arguments": ""}})
+        call["id"] = d.id or call["id"]
+        call["function"]["name"] = d.name or call["function"]["name"]
+        call["function"]["arguments"] += d.arguments
+    return [calls[i] for i in sorted(calls)]
 
 
 class TextFormat(_Format):
@@ -83,20 +139,19 @@ class TextFormat(_Format):
                 "top_logprobs": [{self._token_text(i): v for i, v in top} for _, _, top in entries],
                 "text_offset": offsets}
 
-    def role_chunk(self) -> None:
-        return None
+    def role_chunks(self) -> list[dict]:
+        return []
 
-    def chunk(self, text: str, logprobs: list[tuple], reason: FinishReason | None,
-              want_logprobs: bool) -> dict:
-        return self._envelope(self.CHUNK, [{
-            "index": 0, "text": text,
-            "logprobs": self.logprobs(logprobs) if want_logprobs else None,
-            "finish_reason": finish_reason(reason)}])
+    def chunk(self, index: int, delta: Delta, want_logprobs: bool) -> dict | None:
+        logprobs = self.logprobs(delta.logprobs) if want_logprobs else None
+        if not delta.text and delta.finish_reason is None and logprobs is None:
+            return None
+        return self._envelope(self.CHUNK, [{"index": index, "text": delta.text, "logprobs": logprobs,
+                                            "finish_reason": finish_reason(delta.finish_reason)}])
 
-    def whole(self, text: str, logprobs: list[tuple], reason: FinishReason | None,
-              want_logprobs: bool, prompt_tokens: int, completion_tokens: int) -> dict:
-        return self._envelope("text_completion", [{
-            "index": 0, "text": text,
-            "logprobs": self.logprobs(logprobs) if want_logprobs else None,
-            "finish_reason": finish_reason(reason)}],
-            usage=usage(prompt_tokens, completion_tokens))
+    def whole(self, totals: list[Delta], want_logprobs: bool) -> dict:
+        return self._envelope("text_completion", [
+            {"index": i, "text": total.text,
+             "logprobs": self.logprobs(total.logprobs) if want_logprobs else None,
+             "finish_reason": finish_reason(total.finish_reason)} for i, total in enumerate(totals)],
+            usage=usage_of(totals))

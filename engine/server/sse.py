@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-KEEPALIVE_S = 1.0       # short, so clients and proxies with read timeouts see life while queued
 _QUEUE_EVENTS = 4       # more would hide a slow reader from the engine's pause policy
 _DONE = object()
 
@@ -34,7 +33,7 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 class EventStream(Response):
     def __init__(self, events: AsyncIterator[bytes], *, on_close: Callable[[], None],
-                 send_timeout_s: float):
+                 send_timeout_s: float, keepalive_s: float):
         # no Response.__init__: it would announce content-length 0 for a body it does not know
         self.status_code = 200
         self.background = None
@@ -43,6 +42,8 @@ class EventStream(Response):
         self._events = events
         self._on_close = on_close
         self._send_timeout_s = send_timeout_s
+        self._keepalive_s = keepalive_s     # short, so clients and proxies with read timeouts see
+                                            # life while queued
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         queue: asyncio.Queue = asyncio.Queue(maxsize=_QUEUE_EVENTS)
@@ -62,7 +63,7 @@ class EventStream(Response):
                         "headers": self.raw_headers})
             while True:
                 try:
-                    event = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                    event = await asyncio.wait_for(queue.get(), self._keepalive_s)
                 except TimeoutError:
                     event = b": keep-alive\n\n"
                 if event is _DONE:

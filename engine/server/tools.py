@@ -1,0 +1,122 @@
+"""Tools on the way in: which tools a request offers and must call, whether the model's chat template
+can show them, and the grammar that makes a reply a well-formed call (`tool_choice` required or a
+named function) in the model's own call format (engine/server/tool_parsers.py reads it back)."""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.grammar import JSON_OPTIONS, Grammar
+from engine.server.errors import APIError
+
+_PROBE = "pagedserve_probe_tool"
+_rendering_cache: dict[str, bool] = {}
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """The tools of one chat request as the rest of the server needs them."""
+    tools: tuple[dict, ...]         # OpenAI tool dicts, for the template and the parser
+    must_call: tuple[str, ...]      # names one of which the reply must call; () = free (auto)
+    parallel: bool
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t["function"]["name"] for t in self.tools)
+
+
+def tool_request(tools: list[dict] | None, tool_choice, parallel: bool) -> ToolRequest | None:
+    """None when the reply may not call tools (no tools, or tool_choice "none")."""
+    named = getattr(tool_choice, "function", None)
+    if not tools:
+        if tool_choice in ("required",) or named is not None:
+            raise APIError(400, "tool_choice asks for a tool call but the request has no tools",
+                           param="tool_choice", code="invalid_value")
+        return None
+    if tool_choice == "none":
+        return None
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError(400, "two tools have the same name; tool names must be unique", param="tools",
+                       code="invalid_value")
+    if named is not None:
+        if named.name not in names:
+            raise APIError(400, f"tool_choice names {named.name!r}, which is not among the tools "
+                                f"({', '.join(names)})", param="tool_choice", code="invalid_value")
+        must = (named.name,)
+    else:
+        must = tuple(names) if tool_choice == "required" else ()
+    return ToolRequest(tuple(tools), must, parallel)
+
+
+def parameters_schema(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def renders_tools(tokenizer) -> bool:
+    """Whether the chat template shows the model the tools it is given (cached per template)."""
+    template = tokenizer.chat_template or ""
+    if template not in _rendering_cache:
+        probe = [{"type": "function", "function": {"name": _PROBE, "description": "probe",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=probe)
+        except Exception:  # noqa: BLE001 - a template that fails on tools cannot render them
+            text = ""
+        _rendering_cache[template] = _PROBE in text
+    return _rendering_cache[template]
+
+
+def call_grammar(fmt: str, request: ToolRequest, literal: Callable[[str], str]) -> Grammar:
+    """A grammar whose every match is one call (or, with parallel calls, several) of a tool in
+    `request.must_call`, with arguments that validate against the tool's schema. `literal(text)`
+    writes a tag in the grammar (GrammarCompiler.literal: a string, or the tag's own token)."""
+    tools = [t for t in request.tools if t["function"]["name"] in request.must_call]
+    # a model that writes the newline it would put between calls may still end after it
+    repeat = ' ("\\n" call)* "\\n"?' if request.parallel else ' "\\n"?'
+    open_, close = literal("<tool_call>"), literal("</tool_call>")
+    if fmt == "hermes":
+        body = {"anyOf": [{"type": "object",
+                           "properties": {"name": {"const": t["function"]["name"]},
+                                          "arguments": parameters_schema(t)},
+                           "required": ["name", "arguments"], "additionalProperties": False}
+                          for t in tools], "x-guidance": JSON_OPTIONS}
+        lark = [f"start: call{repeat}",
+                f'call: {open_} "\\n" %json {json.dumps(body)} "\\n" {close}']
+    elif fmt == "qwen3_coder":
+        lark = [f"start: call{repeat}",
+                'call: ' + open_ + ' "\\n" (' + " | ".join(f"fn{i}" for i in range(len(tools))) + ') ' + close]
+        for i, tool in enumerate(tools):
+            lark += _xml_function(f"fn{i}", tool)
+    else:
+        raise APIError(400, f"tool_choice needs a known tool-call format to enforce the call; this "
+                            f"model's is {fmt!r} (set --tool-call-parser)", param="tool_choice",
+                       code="unsupported_value")
+    return Grammar("lark", "%llguidance {}\n" + "\n".join(lark))
+
+
+def _xml_function(rule: str, tool: dict) -> list[str]:
+    schema = parameters_schema(tool)
+    props = schema.get("properties") or {}
+    required = set(schema.get("required") or ())
+    lines, parts = [], []
+    for j, (param, sub) in enumerate(props.items()):
+        name = f"{rule}p{j}"
+        value = f"{name}v"
+        kind = sub.get("type") if isinstance(sub, dict) else None
+        enum = sub.get("enum") if isinstance(sub, dict) else None
+        if enum and all(isinstance(e, str) for e in enum):
+            lines.append(f"{value}: " + " | ".join(json.dumps(e) for e in enum))
+            lines.append(f'{name}: "<parameter={param}>\\n" {value} "\\n</parameter>\\n"')
+        elif kind == "string" or not isinstance(sub, dict):     # raw text, up to maxLength
+            most = sub.get("maxLength") if isinstance(sub, dict) else None
+            length = f"{{{sub.get('minLength', 0)},{most}}}" if isinstance(most, int) else "*"
+            lines.append(f'{value}[suffix="\\n</parameter>\\n"]: /(?s:.{length})/')
+            lines.append(f'{name}: "<parameter={param}>\\n" {value}')
+        else:       # numbers, booleans, objects...: JSON, so the schema's bounds hold
+            lines.append(f"{value}: %json {json.dumps(sub | {'x-guidance': JSON_OPTIONS})}")
+            lines.append(f'{name}: "<parameter={param}>\\n" {value} "\\n</parameter>\\n"')
+        parts.append(name if param in required else f"{name}?")
+    lines.insert(0, f'{rule}: "<function={tool["function"]["name"]}>\\n" {" ".join(parts)} "</function>\\n"')
+    return lines

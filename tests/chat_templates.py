@@ -1,0 +1,101 @@
+"""Chat templates that render tools the way the Qwen families do, for tiny test checkpoints:
+
+- HERMES: Qwen2.5 / Qwen3 style: tools as JSON in the system prompt, calls as
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, results in `<tool_response>`.
+- XML_THINKING: Qwen3-Coder / Qwen3.5 style calls (`<function=NAME><parameter=P>...`) and a reply
+  that opens in a `<think>` block unless `enable_thinking` is false.
+
+`chat_checkpoint` copies a tiny checkpoint with one of them, its tags added to the tokenizer as
+single tokens (as in Qwen's vocabulary), so the server's grammar and parsers meet them as such.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+TAGS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+
+_SYSTEM = (
+    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}"
+    "{%- else %}{%- set system = 'You are a helpful assistant.' %}{%- endif %}"
+)
+
+HERMES = _SYSTEM + """
+{{- '<|im_start|>system\\n' + system }}
+{%- if tools %}
+{{- '\\n\\n# Tools\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\nTo call a tool write <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n</tool_call>' }}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- for m in messages %}
+{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
+{%- elif m.role == 'assistant' %}
+{{- '<|im_start|>assistant' }}
+{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}
+{%- for call in m.tool_calls or [] %}
+{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' + (call.function.arguments | tojson) + '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif m.role == 'tool' %}
+{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+XML_THINKING = _SYSTEM + """
+{{- '<|im_start|>system\\n' + system }}
+{%- if tools %}
+{{- '\\n\\n# Tools\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\nTo call a tool write <tool_call>\\n<function=NAME>\\n<parameter=P>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>' }}
+{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- for m in messages %}
+{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
+{%- elif m.role == 'assistant' %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if m.reasoning_content %}{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}
+{{- m.content }}
+{%- for call in m.tool_calls or [] %}
+{{- '\\n<tool_call>\\n<function=' + call.function.name + '>\\n' }}
+{%- for name, value in call.function.arguments.items() %}
+{{- '<parameter=' + name + '>\\n' + (value if value is string else value | tojson) + '\\n</parameter>\\n' }}
+{%- endfor %}
+{{- '</function>\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif m.role == 'tool' %}
+{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- else %}{{- '<think>\\n' }}{%- endif %}
+{%- endif %}
+"""
+
+
+def chat_checkpoint(source: Path, destination: Path, template: str) -> Path:
+    """A copy of the tiny checkpoint `source` with `template` and the TAGS as single tokens."""
+    from tokenizers import AddedToken, Tokenizer
+
+    shutil.copytree(source, destination)
+    tokenizer = Tokenizer.from_file(str(destination / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken(tag, normalized=False, special=False) for tag in TAGS])
+    tokenizer.save(str(destination / "tokenizer.json"))
+    config_file = destination / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = template
+    config_file.write_text(json.dumps(config, indent=2))
+    return destination
+
+
+def tag_id(checkpoint: Path, tag: str) -> int:
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(checkpoint / "tokenizer.json")).token_to_id(tag)
