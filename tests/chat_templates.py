@@ -16,48 +16,45 @@ from pathlib import Path
 
 TAGS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
 
-_SYSTEM = (
-    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}"
-    "{%- else %}{%- set system = 'You are a helpful assistant.' %}{%- endif %}"
-)
-
-HERMES = _SYSTEM + """
+def _template(call_format: str, assistant: str, generation_prompt: str) -> str:
+    """A ChatML template that shows tools, plugged with one family's call format: the sentence
+    telling the model how to call, the assistant turn (content and calls), the generation prompt."""
+    return """
+{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}
+{%- else %}{%- set system = 'You are a helpful assistant.' %}{%- endif %}
 {{- '<|im_start|>system\\n' + system }}
 {%- if tools %}
 {{- '\\n\\n# Tools\\n<tools>' }}
 {%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
-{{- '\\n</tools>\\nTo call a tool write <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n</tool_call>' }}
+{{- '\\n</tools>\\nTo call a tool write """ + call_format + """' }}
 {%- endif %}
 {{- '<|im_end|>\\n' }}
 {%- for m in messages %}
 {%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}
 {{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
-{%- elif m.role == 'assistant' %}
-{{- '<|im_start|>assistant' }}
-{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}
-{%- for call in m.tool_calls or [] %}
-{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' + (call.function.arguments | tojson) + '}\\n</tool_call>' }}
-{%- endfor %}
+{%- elif m.role == 'assistant' %}""" + assistant + """
 {{- '<|im_end|>\\n' }}
 {%- elif m.role == 'tool' %}
 {{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}
 {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+{%- if add_generation_prompt %}""" + generation_prompt + """{%- endif %}
 """
 
-XML_THINKING = _SYSTEM + """
-{{- '<|im_start|>system\\n' + system }}
-{%- if tools %}
-{{- '\\n\\n# Tools\\n<tools>' }}
-{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
-{{- '\\n</tools>\\nTo call a tool write <tool_call>\\n<function=NAME>\\n<parameter=P>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>' }}
-{%- endif %}
-{{- '<|im_end|>\\n' }}
-{%- for m in messages %}
-{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}
-{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
-{%- elif m.role == 'assistant' %}
+
+HERMES = _template(
+    '<tool_call>\\n{\\"name\\": <name>, \\"arguments\\": <object>}\\n</tool_call>',
+    """
+{{- '<|im_start|>assistant' }}
+{%- if m.content %}{{- '\\n' + m.content }}{%- endif %}
+{%- for call in m.tool_calls or [] %}
+{{- '\\n<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\\n</tool_call>' }}
+{%- endfor %}""",
+    "{{- '<|im_start|>assistant\\n' }}")
+
+XML_THINKING = _template(
+    '<tool_call>\\n<function=NAME>\\n<parameter=P>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>',
+    """
 {{- '<|im_start|>assistant\\n' }}
 {%- if m.reasoning_content %}{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}
 {{- m.content }}
@@ -67,18 +64,12 @@ XML_THINKING = _SYSTEM + """
 {{- '<parameter=' + name + '>\\n' + (value if value is string else value | tojson) + '\\n</parameter>\\n' }}
 {%- endfor %}
 {{- '</function>\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
-{%- elif m.role == 'tool' %}
-{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
+{%- endfor %}""",
+    """
 {{- '<|im_start|>assistant\\n' }}
 {%- if enable_thinking is defined and not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}
 {%- else %}{{- '<think>\\n' }}{%- endif %}
-{%- endif %}
-"""
+""")
 
 
 def chat_checkpoint(source: Path, destination: Path, template: str) -> Path:

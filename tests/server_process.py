@@ -63,6 +63,20 @@ class ServerProcess:
         httpx.post(self.url + "/v1/completions", json={"prompt": "warm", "max_tokens": 2},
                    headers=auth, timeout=timeout)
 
+    def __enter__(self) -> "ServerProcess":
+        """`with ServerProcess(...) as srv:` waits until it serves, and at the end stops it and
+        checks it exited cleanly (status 0)."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        out = self.output()
+        assert self.stop() == 0, out
+
     def output(self) -> str:
         self.log.seek(0)
         return self.log.read().decode(errors="replace")

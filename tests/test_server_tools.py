@@ -41,23 +41,15 @@ def _server(tmp_path_factory, tiny_checkpoint, name: str, template: str, *flags:
 
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory, tiny_checkpoint):
-    srv = _server(tmp_path_factory, tiny_checkpoint, "tiny-hermes", HERMES,
-                  "--served-model-name", "tiny", "--served-model-name", "tiny-alias", generation=GENERATION)
-    try:
-        srv.wait_ready()
+    with _server(tmp_path_factory, tiny_checkpoint, "tiny-hermes", HERMES, "--served-model-name", "tiny",
+                 "--served-model-name", "tiny-alias", generation=GENERATION) as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.output()
 
 
 @pytest.fixture(scope="module")
 def thinking(tmp_path_factory, tiny_checkpoint):
-    srv = _server(tmp_path_factory, tiny_checkpoint, "tiny-xml", XML_THINKING)
-    try:
-        srv.wait_ready()
+    with _server(tmp_path_factory, tiny_checkpoint, "tiny-xml", XML_THINKING) as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.output()
 
 
 def _client(server) -> openai.OpenAI:
