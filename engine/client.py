@@ -25,6 +25,7 @@ class EngineInfo:
     block_size: int
     num_blocks: int
     kv_pool_tokens: int
+    kv_pool_bytes: int      # committed as blocks are first written, not at start
     num_state_slots: int
     vocab_size: int         # token ids run from 0 to vocab_size - 1
     sampling_defaults: dict  # the model's generation_config.json temperature, top_p, ...: what an
@@ -46,9 +47,9 @@ class EngineClient:
 
     def submit(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                params: SamplingParams | None = None, request_id: str | None = None,
-               client: str = "", after: str | None = None) -> RequestHandle:
+               client: str = "", after: str | None = None, timeout_s: float | None = None) -> RequestHandle:
         """Exactly one of `prompt` (text or token ids) and `messages` (chat, templated here).
-        `after`: see EngineLoop.submit (choices of one completion share their prompt's blocks)."""
+        `after`, `timeout_s`: see EngineLoop.submit."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if messages is not None:
@@ -58,7 +59,7 @@ class EngineClient:
         else:
             ids = list(prompt)
         return self._loop.submit(ids, params or SamplingParams(), request_id=request_id,
-                                 client=client, after=after)
+                                 client=client, after=after, timeout_s=timeout_s)
 
     def compile_grammar(self, grammar: Grammar) -> None:
         """Compile (and cache) a grammar now, so that submitting it later costs nothing; raises
@@ -84,6 +85,7 @@ class EngineClient:
             weights=e.weights, device=str(e.device), max_model_len=e.max_model_len,
             max_concurrency=e.config.max_concurrency, block_size=e.pool.shape.block_size,
             num_blocks=e.pool.num_blocks, kv_pool_tokens=e.pool.num_blocks * e.pool.shape.block_size,
+            kv_pool_bytes=e.pool.nbytes,
             num_state_slots=e.state_pool.num_slots if e.state_pool is not None else 0,
             vocab_size=e.model_config.vocab_size, sampling_defaults=dict(e.sampling_defaults))
 

@@ -120,6 +120,12 @@ class ServerConfig:
     sse_keepalive_s: float = _key(1.0, "a number > 0 (seconds)", lambda v: v > 0,
                                   "a stream with nothing to send (queued, or in a long prefill) gets a "
                                   "`: keep-alive` comment this often")
+    request_timeout_s: float = _key(0.0, "a number >= 0 (seconds; 0 = no limit)", lambda v: v >= 0,
+                                    "a request still generating after this many seconds stops and returns "
+                                    "what it has (finish_reason length); 0 = no limit")
+    allowed_origins: tuple = _key((), 'a list of origins such as "http://localhost:3000", or "*"',
+                                  lambda v: all(v), "web origins whose pages may call the API from a browser "
+                                                    "(CORS; \"*\" = any); empty = none")
 
     def __post_init__(self) -> None:
         _validate_instance(self)

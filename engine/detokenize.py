@@ -29,6 +29,7 @@ class _StopMatcher:
     def __init__(self, stop: tuple[str, ...]):
         self.stop = tuple(s for s in stop if s)
         self.stopped = False
+        self.matched: str | None = None     # the stop string that cut the text
         self._held = ""
 
     def feed(self, text: str, final: bool = False) -> str:
@@ -36,11 +37,11 @@ class _StopMatcher:
         if self.stopped:
             return ""
         text = self._held + text
-        found = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=None)
+        found, stop = min(((i, s) for s in self.stop if (i := text.find(s)) >= 0), default=(None, None))
         # a stop that may still complete earlier than `found` decides first: wait for it
         undecided = len(text) if final else len(text) - self._partial_stop_length(text)
         if found is not None and found <= undecided:
-            self.stopped = True
+            self.stopped, self.matched = True, stop
             self._held = ""
             return text[:found]
         self._held = text[undecided:]
@@ -69,6 +70,11 @@ class IncrementalDetokenizer:
     @property
     def stopped(self) -> bool:
         return self._stops.stopped
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the text, once one did."""
+        return self._stops.matched
 
     @property
     def text(self) -> str:

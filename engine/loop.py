@@ -41,12 +41,14 @@ class Delta:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    stop_sequence: str | None = None    # the stop string that ended it (finish_reason STOP)
 
     def merge(self, later: "Delta") -> None:
         self.text += later.text
         self.token_ids += later.token_ids
         self.logprobs += later.logprobs
         self.finish_reason, self.error = later.finish_reason, later.error
+        self.stop_sequence = later.stop_sequence
         self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
 
 
@@ -152,6 +154,7 @@ class _Live:
     handle: RequestHandle
     detok: IncrementalDetokenizer
     paused: bool = False
+    deadline: float | None = None       # monotonic time after which it stops (FinishReason.TIMEOUT)
 
 
 class EngineLoop:
@@ -177,12 +180,14 @@ class EngineLoop:
 
     # -- client API (any thread)
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-               bounded: bool = True, client: str = "", after: str | None = None) -> RequestHandle:
+               bounded: bool = True, client: str = "", after: str | None = None,
+               timeout_s: float | None = None) -> RequestHandle:
         """Queue a request. A prompt that can never run (too long, empty) or a full queue raises
         RequestRejected / QueueFull here, a grammar that does not compile GrammarError (compiled
         here, in the caller's thread, unless cached); a later rejection arrives as a final error
         delta. `after`: the id of a request with the same prompt (an earlier choice of the same
-        completion) whose prompt this one waits for, so as to reuse its cached K/V blocks."""
+        completion) whose prompt this one waits for, so as to reuse its cached K/V blocks.
+        `timeout_s`: it stops with what it has (FinishReason.TIMEOUT) once it has run this long."""
         rid = request_id or f"req-{next(self._ids)}"
         self.scheduler.check(rid, len(prompt_ids))
         matcher = None
@@ -194,7 +199,8 @@ class EngineLoop:
         request = Request(id=rid, prompt_token_ids=tuple(prompt_ids), params=params,
                           eos_token_ids=self.eos_token_ids, client=client, matcher=matcher,
                           after=after)
-        self._commands.put(("submit", request, handle))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._commands.put(("submit", (request, deadline), handle))
         self.wake()
         return handle
 
@@ -214,12 +220,12 @@ class EngineLoop:
             except queue.Empty:
                 return
             if kind == "submit":
-                self._admit(arg, handle)
+                self._admit(*arg, handle)
             elif kind == "cancel" and arg in self._live:
                 self.scheduler.cancel(arg)
                 self._finish(arg, Delta(finish_reason=FinishReason.CANCELLED))
 
-    def _admit(self, request: Request, handle: RequestHandle) -> None:
+    def _admit(self, request: Request, deadline: float | None, handle: RequestHandle) -> None:
         try:
             self.scheduler.add(request)
         except ValueError as e:      # RequestRejected / QueueFull carry the numbers
@@ -227,11 +233,12 @@ class EngineLoop:
                                prompt_tokens=len(request.prompt_token_ids)))
             return
         detok = IncrementalDetokenizer(self.tokenizer, stop=request.params.stop)
-        self._live[request.id] = _Live(request, handle, detok)
+        self._live[request.id] = _Live(request, handle, detok, deadline=deadline)
 
     def _finish(self, rid: str, delta: Delta) -> None:
         live = self._live.pop(rid)
         delta.text += live.detok.finish() if delta.finish_reason is not FinishReason.ERROR else ""
+        delta.stop_sequence = live.detok.stop_sequence
         delta.prompt_tokens = len(live.request.prompt_token_ids)
         delta.completion_tokens = len(live.request.output_token_ids)
         live.handle._push(delta)
@@ -262,6 +269,10 @@ class EngineLoop:
         now = time.monotonic()
         for rid, live in list(self._live.items()):
             h = live.handle
+            if live.deadline is not None and now > live.deadline:
+                self.scheduler.finish(rid, FinishReason.TIMEOUT)
+                self._finish(rid, Delta(finish_reason=FinishReason.TIMEOUT))
+                continue
             if not h.bounded:
                 continue
             if h.lag and now - h.last_read > self.timeout_s:

@@ -8,11 +8,13 @@ from engine.errors import UserError
 from engine.grammar import Grammar
 
 LOGIT_BIAS_LIMIT = 100.0      # OpenAI's range: a bias outside it is clamped
+GREEDY_BELOW = 1e-5           # a temperature under this draws greedily
 
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"          # EOS, a stop token id or a stop string
     LENGTH = "length"      # max_tokens or the end of the context
+    TIMEOUT = "timeout"    # still generating when its time limit ran out (APIs call it length)
     CANCELLED = "cancelled"
     ERROR = "error"
 
@@ -61,7 +63,8 @@ class SamplingParams:
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 = off)"),
+            # beyond these, logits divided or multiplied by the penalty overflow
+            ("repetition_penalty", 0.01 <= self.repetition_penalty <= 100, "must be in [0.01, 100] (1 = off)"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
@@ -79,7 +82,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # below this, logits / temperature overflows to inf and the draw to NaN (vLLM draws the same line)
+        return self.temperature < GREEDY_BELOW
 
     @property
     def shaped(self) -> bool:

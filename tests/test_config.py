@@ -21,7 +21,8 @@ SPEC_ENGINE = dict(model="qwen2.5-coder-1.5b", dtype="auto", device="auto", max_
                    client_max_lag_tokens=1024, client_timeout_s=60.0, prefix_cache=True,
                    state_spare_slots=4, quantization="auto", quant_group_size=32)
 SPEC_SERVER = dict(host="127.0.0.1", port=8000, api_key="", max_body_bytes=1048576, served_model_name=(),
-                   tool_call_parser="auto", reasoning_parser="auto", sse_keepalive_s=1.0)
+                   tool_call_parser="auto", reasoning_parser="auto", sse_keepalive_s=1.0,
+                   request_timeout_s=0.0, allowed_origins=())
 
 
 def test_defaults_match_the_spec():
@@ -37,7 +38,7 @@ def test_shipped_config_toml_is_exactly_the_defaults():
     assert load_config(ROOT / "config.toml") == Config()
     data = tomllib.loads(text)
     assert {k: v for k, v in data.items() if k not in ("server", "console")} == SPEC_ENGINE
-    assert data["server"] == SPEC_SERVER | {"served_model_name": []}    # a TOML array
+    assert data["server"] == SPEC_SERVER | {"served_model_name": [], "allowed_origins": []}    # TOML arrays
     assert data["console"] == {"keys": {}}
     # `config init` writes the same commented file that ships
     assert text == default_config_text()

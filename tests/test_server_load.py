@@ -4,7 +4,6 @@ One `pagedserve serve` process for the module; the shutdown test runs last and e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
 import socket
@@ -20,12 +19,8 @@ from test_server import TINY, metric
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    srv = ServerProcess(tiny_checkpoint("qwen3", **TINY), "--max-concurrency", "4")
-    try:
-        srv.wait_ready()
+    with ServerProcess(tiny_checkpoint("qwen3", **TINY), "--max-concurrency", "4") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _stream_text(url: str, body: dict) -> str:
@@ -62,6 +57,7 @@ def _cancelled(url: str) -> float:
 def _raw_stream(port: int, body: dict) -> socket.socket:
     """A hand-made HTTP client, to read (or not read) at its own pace."""
     sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)    # a small window: a stall shows soon
     sock.connect(("127.0.0.1", port))
     payload = json.dumps(body | {"stream": True}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -88,44 +84,33 @@ def test_disconnect_mid_stream_frees_everything(server):
     assert metric(text, "pagedserve:generation_tokens_total") - tokens_before < LONG["max_tokens"]
 
 
-def _three_streams(url: str) -> float:
-    start = time.perf_counter()
-    threads = [threading.Thread(target=_stream_text, args=(url, LONG | {"max_tokens": 48}))
-               for _ in range(3)]
+def _three_streams(url: str) -> list[str]:
+    texts: list[str] = [""] * 3
+
+    def run(i: int) -> None:
+        texts[i] = _stream_text(url, LONG | {"max_tokens": 48, "prompt": f"fox {i}"})
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    return time.perf_counter() - start
+        t.join(120)
+    return texts
 
 
 def test_slow_reader_does_not_slow_the_others(server):
+    """A client that reads nothing holds a long stream; three others still get every token, the same
+    ones as without it, while it stays live. (If the engine waited for the slow client, they would
+    not finish: the wait is bounded by the client timeout, never asserted as a speed.)"""
     baseline = _three_streams(server.url)
-    slow = _raw_stream(server.port, LONG)
-    got = bytearray()
-
-    stop = threading.Event()
-
-    def read_slowly() -> None:
-        with contextlib.suppress(OSError):      # the socket is closed under it at the end
-            while not stop.is_set():
-                chunk = slow.recv(1)
-                if not chunk:
-                    return
-                got.extend(chunk)
-                time.sleep(0.1)
-    reader = threading.Thread(target=read_slowly, daemon=True)
-    reader.start()
-    status = b"HTTP/1.1 200"
-    deadline = time.monotonic() + 10
-    while len(got) < len(status) and time.monotonic() < deadline:   # the slow stream is live
-        time.sleep(0.05)
-    assert got.startswith(status)
+    slow = _raw_stream(server.port, LONG | {"logprobs": 20, "prompt": "The slow reader"})
+    deadline = time.monotonic() + 30
+    while not httpx.get(server.url + "/v1/requests").json()["data"] and time.monotonic() < deadline:
+        time.sleep(0.02)
     with_slow = _three_streams(server.url)
-    stop.set()
+    live = [(r["client"], r["state"]) for r in httpx.get(server.url + "/v1/requests").json()["data"]]
     slow.close()
-    reader.join(5)
-    assert with_slow < 2 * baseline + 1.0, (baseline, with_slow)
+    assert with_slow == baseline and all(baseline)
+    assert len(live) == 1 and live[0][1] in ("decode", "paused"), live   # the slow stream, still held
     assert _wait_idle(server.url)["data"] == []
 
 
@@ -146,15 +131,19 @@ def test_stalled_client_is_dropped_after_the_write_timeout():
 
     async def send(message):
         if message["type"] == "http.response.body":
-            await never()
+            closed.append("send")
+            try:
+                await never()
+            except asyncio.CancelledError:      # what the write timeout does to a stalled send
+                closed.append("send timed out")
+                raise
 
-    async def run() -> float:
+    async def run() -> None:
         stream = EventStream(events(), on_close=lambda: closed.append("on_close"),
-                             send_timeout_s=0.3, keepalive_s=1.0)
-        start = time.monotonic()
-        await asyncio.wait_for(stream({"type": "http"}, never, send), 10)
-        return time.monotonic() - start
-    assert 0.3 <= asyncio.run(run()) < 5 and closed == ["events", "on_close"]
+                             send_timeout_s=0.3, keepalive_s=1.0, keepalive=b": keep-alive\n\n")
+        await asyncio.wait_for(stream({"type": "http"}, never, send), 10)   # a bound, not a speed
+    asyncio.run(run())
+    assert closed == ["send", "send timed out", "events", "on_close"]
 
 
 def test_concurrent_greedy_streams_match_each_alone(server):

@@ -7,13 +7,14 @@ import hmac
 from typing import Callable
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.config import EngineConfig, ServerConfig
+from engine.server import anthropic_routes, fim_routes, openai_routes, responses_routes
 from engine.server.admin_routes import router as admin_router
 from engine.server.engine_host import EngineHost
 from engine.server.errors import APIError, install_error_handlers
-from engine.server.openai_routes import router as openai_router
 
 OPEN_PATHS = ("/health",)
 
@@ -30,15 +31,16 @@ class Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.api_key and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+        path = scope["path"]
+        if self.api_key and path not in OPEN_PATHS and not self._authorized(scope):
             return await APIError(401, "missing or wrong API key: send the header "
-                                       "`Authorization: Bearer <key>` (server.api_key)",
-                                  code="invalid_api_key").response()(scope, receive, send)
+                                       "`Authorization: Bearer <key>` or `x-api-key: <key>` (server.api_key)",
+                                  code="invalid_api_key").response(path)(scope, receive, send)
         body, too_big = await self._read_body(scope, receive)
         if too_big:
             return await APIError(413, f"request body is over server.max_body_bytes = "
                                        f"{self.max_body_bytes:,} bytes",
-                                  code="body_too_large").response()(scope, receive, send)
+                                  code="body_too_large").response(path)(scope, receive, send)
         replayed = False
 
         async def replay() -> Message:
@@ -50,11 +52,11 @@ class Guard:
         await self.app(scope, replay, send)
 
     def _authorized(self, scope: Scope) -> bool:
+        """`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's)."""
         headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                  self.api_key.encode())
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else headers.get(b"x-api-key", b"").strip()
+        return bool(given) and hmac.compare_digest(given, self.api_key.encode())
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, bool]:
         declared = dict(scope["headers"]).get(b"content-length", b"")
@@ -89,7 +91,11 @@ def create_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, *,
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.state.host = host
     install_error_handlers(app)
-    app.include_router(openai_router)
+    for routes in (openai_routes, anthropic_routes, responses_routes, fim_routes):
+        app.include_router(routes.router)
     app.include_router(admin_router)
     app.add_middleware(Guard, api_key=server_cfg.api_key, max_body_bytes=server_cfg.max_body_bytes)
+    if server_cfg.allowed_origins:  # outside the Guard: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(server_cfg.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"], expose_headers=["*"])
     return app

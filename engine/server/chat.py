@@ -43,9 +43,11 @@ async def compile_grammar(host: EngineHost, grammar: Grammar, param: str) -> Non
 
 
 async def prepare_chat(host: EngineHost, messages: list[dict], tools: ToolRequest | None,
-                       requested: tuple[Grammar, str] | None, template_kwargs: dict | None) -> Chat:
+                       requested: tuple[Grammar, str] | None, template_kwargs: dict | None,
+                       prefill: str = "") -> Chat:
     """`messages` as chat templates read them; `requested`: the output grammar the request asks
-    for and the param that asked (a forced tool call brings its own)."""
+    for and the param that asked (a forced tool call brings its own); `prefill`: text the reply
+    starts with, written after the template's generation prompt (it is not part of the reply)."""
     tokenizer = host.require_client().tokenizer
     if tools is not None and not renders_tools(tokenizer):
         raise APIError(400, f"model {host.names[0]!r}: its chat template does not show tools to the "
@@ -63,6 +65,7 @@ async def prepare_chat(host: EngineHost, messages: list[dict], tools: ToolReques
         text = tokenizer.apply_chat_template(messages, tools=list(tools.tools) if tools else None, **extra)
     except Exception as e:  # noqa: BLE001 - the template's own refusal, for the client
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+    text += prefill
     reasoning = reply_reasoning(text) if host.reasoning_parser is not None else ""
     tool_format = host.tool_format
     grammar, param = requested if requested else (None, None)

@@ -2,6 +2,7 @@
 submits requests with errors mapped to HTTP, keeps the in-flight table and drains on shutdown."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -22,6 +23,14 @@ def served_names(model: str, aliases: tuple[str, ...] = ()) -> tuple[str, ...]:
     if aliases:
         return tuple(dict.fromkeys(aliases))
     return (os.path.basename(model.rstrip("/\\")) or model,)
+
+
+def client_label(request, user: str | None) -> str:
+    """Who asked, for the request table: the `user` field, else the HTTP peer ip:port."""
+    if user:
+        return user
+    peer = request.client
+    return f"{peer.host}:{peer.port}" if peer else ""
 
 
 class EngineHost:
@@ -127,6 +136,20 @@ class EngineHost:
             raise APIError(400, f"token id {bad[0]} is out of range; ids must be in [0, {vocab})",
                            param=param, code="invalid_value")
 
+    def choices(self, body, prompt_len: int, grammar=None) -> list:
+        """SamplingParams for each of a request body's choices (engine/server/schemas.py
+        SamplingBody): the model's defaults for fields left out, the rest of the context when no
+        limit is set; seeded choices use seed + index, as the OpenAI docs ask."""
+        info = self.info
+        for token_id in body.logit_bias_ids():
+            if not 0 <= token_id < info.vocab_size:
+                raise APIError(400, f"logit_bias names token id {token_id}; ids must be in "
+                                    f"[0, {info.vocab_size})", param="logit_bias", code="invalid_value")
+        base = body.sampling_params(defaults=info.sampling_defaults,
+                                    max_tokens=max(1, info.max_model_len - prompt_len), grammar=grammar)
+        return [base if base.seed is None else dataclasses.replace(base, seed=base.seed + i)
+                for i in range(body.choices)]
+
     def submit(self, completion_id: str, prompt_ids: list[int], params: list, *, client: str,
                param: str = "prompt") -> list:
         """One engine request per choice (params[i] for choice i); choices after the first start
@@ -139,7 +162,8 @@ class EngineHost:
             for i, choice_params in enumerate(params):
                 handles.append(engine.submit(prompt_ids, params=choice_params,
                                              request_id=completion_id if i == 0 else f"{completion_id}-{i}",
-                                             client=client, after=completion_id if i else None))
+                                             client=client, after=completion_id if i else None,
+                                             timeout_s=self.server_cfg.request_timeout_s or None))
         except (QueueFull, RequestRejected, GrammarError) as e:
             for handle in handles:
                 handle.cancel()

@@ -1,4 +1,6 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
+"""API errors with the right HTTP status, in the shape of the API that was called: OpenAI's
+`{"error": {"message", "type", "param", "code"}}`, or on Anthropic's routes (ANTHROPIC_PATHS)
+`{"type": "error", "error": {"type", "message"}}`.
 
 Every failure a client can cause is an APIError (or a validation error mapped here) so it never
 surfaces as a 500, and nothing about the engine's state changes because of it.
@@ -13,6 +15,10 @@ from starlette.exceptions import HTTPException
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
           503: "service_unavailable"}
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class APIError(Exception):
@@ -29,8 +35,15 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def anthropic_body(self) -> dict:
+        where = f" ({self.param})" if self.param and self.param not in self.message else ""
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message + where}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error for a request to `path`, shaped as that route's API shapes its errors."""
+        anthropic = path.startswith(ANTHROPIC_PATHS)
+        return JSONResponse(self.anthropic_body() if anthropic else self.body(), status_code=self.status)
 
 
 def _field(loc) -> str | None:
@@ -51,18 +64,18 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response(request.url.path)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                        type="server_error").response()
+                        type="server_error").response(request.url.path)

@@ -8,21 +8,21 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from fastapi.responses import JSONResponse
+
 from engine.loop import Delta
 from engine.request import FinishReason
 from engine.server.engine_host import EngineHost
 from engine.server.errors import APIError
-from engine.server.sse import sse_event, wait_for_disconnect
+from engine.server.sse import EventStream, wait_for_disconnect
 
 
 class Generation:
-    def __init__(self, host: EngineHost, completion_id: str, handles: list, fmt, *,
-                 want_logprobs: bool):
+    def __init__(self, host: EngineHost, completion_id: str, handles: list, fmt):
         self.host = host
         self.id = completion_id
         self.handles = handles
-        self.fmt = fmt
-        self.want_logprobs = want_logprobs
+        self.fmt = fmt                  # engine/server/wire_format.py WireFormat
         self._arrival = time.monotonic()
         self._last_token: list[float | None] = [None] * len(handles)
         self._finished = [False] * len(handles)
@@ -111,22 +111,32 @@ class Generation:
             failure = self._failure(total)
             if failure is not None:
                 raise failure
-        return self.fmt.whole(totals, self.want_logprobs)
+        return self.fmt.whole(totals)
 
-    async def events(self, include_usage: bool) -> AsyncIterator[bytes]:
-        """SSE chunks, the usage chunk if asked, then `data: [DONE]`."""
-        for chunk in self.fmt.role_chunks():
-            yield sse_event(chunk)
+    async def events(self, include_usage: bool = False) -> AsyncIterator[bytes]:
+        """The format's SSE events: its opening, each delta's, an error that ends the stream, and
+        its closing."""
+        for event in self.fmt.opening():
+            yield event
         last = [Delta() for _ in self.handles]
         async for index, delta in self.deltas():
             last[index] = delta
             failure = self._failure(delta)
             if failure is not None:
-                yield sse_event(failure.body())
+                yield self.fmt.error_event(failure)
                 break
-            chunk = self.fmt.chunk(index, delta, self.want_logprobs)
-            if chunk is not None:
-                yield sse_event(chunk)
-        if include_usage:
-            yield sse_event(self.fmt.usage_chunk(last))
-        yield sse_event("[DONE]")
+            for event in self.fmt.events(index, delta):
+                yield event
+        for event in self.fmt.closing(last, include_usage):
+            yield event
+
+
+async def answer(request, host: EngineHost, fmt, completion_id: str, handles: list, *, stream: bool,
+                 include_usage: bool = False):
+    """The completion's answer in `fmt`: an SSE stream, or one JSON body once it is done."""
+    generation = Generation(host, completion_id, handles, fmt)
+    if stream:
+        return EventStream(generation.events(include_usage), on_close=lambda: host.release(completion_id),
+                           send_timeout_s=host.engine_cfg.client_timeout_s,
+                           keepalive_s=host.server_cfg.sse_keepalive_s, keepalive=fmt.KEEPALIVE)
+    return JSONResponse(await generation.whole(request.receive))

@@ -1,21 +1,18 @@
 """The OpenAI-compatible routes: chat and text completions, models, tokenize and detokenize."""
 from __future__ import annotations
 
-import dataclasses
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
-from engine.grammar import Grammar
 from engine.server.chat import compile_grammar, prepare_chat
-from engine.server.engine_host import EngineHost
+from engine.server.engine_host import EngineHost, client_label
 from engine.server.errors import APIError
-from engine.server.generation import Generation
-from engine.server.responses import ChatFormat, TextFormat
-from engine.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                   SamplingBody, TokenizeRequest)
-from engine.server.sse import EventStream
+from engine.server.fim import fim_prompt, with_fim_stops
+from engine.server.fim_routes import require_fim
+from engine.server.generation import answer
+from engine.server.openai_format import ChatFormat, TextFormat
+from engine.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from engine.server.tools import tool_request
 
 router = APIRouter()
@@ -23,38 +20,6 @@ router = APIRouter()
 
 def _host(request: Request) -> EngineHost:
     return request.app.state.host
-
-
-def _client_label(request: Request, user: str | None) -> str:
-    """Who asked, for the request table: the `user` field, else the HTTP peer ip:port."""
-    if user:
-        return user
-    peer = request.client
-    return f"{peer.host}:{peer.port}" if peer else ""
-
-
-def _choices(host: EngineHost, body: SamplingBody, prompt_len: int, grammar: Grammar | None) -> list:
-    """SamplingParams for each choice: seeded choices use seed + index, as the OpenAI docs ask."""
-    info = host.info
-    for token_id in body.logit_bias_ids():
-        if not 0 <= token_id < info.vocab_size:
-            raise APIError(400, f"logit_bias names token id {token_id}; ids must be in "
-                                f"[0, {info.vocab_size})", param="logit_bias", code="invalid_value")
-    base = body.sampling_params(defaults=info.sampling_defaults,
-                                max_tokens=max(1, info.max_model_len - prompt_len), grammar=grammar)
-    return [base if base.seed is None else dataclasses.replace(base, seed=base.seed + i)
-            for i in range(body.choices)]
-
-
-async def _run(request: Request, host: EngineHost, body, fmt, completion_id: str, handles,
-               want_logprobs: bool):
-    generation = Generation(host, completion_id, handles, fmt, want_logprobs=want_logprobs)
-    if body.stream:
-        return EventStream(generation.events(body.include_usage()),
-                           on_close=lambda: host.release(completion_id),
-                           send_timeout_s=host.engine_cfg.client_timeout_s,
-                           keepalive_s=host.server_cfg.sse_keepalive_s)
-    return JSONResponse(await generation.whole(request.receive))
 
 
 @router.post("/v1/chat/completions")
@@ -67,11 +32,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                          body.parallel_tool_calls)
     chat = await prepare_chat(host, body.chat(), tools, body.output_grammar(), body.chat_template_kwargs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    handles = host.submit(rid, chat.prompt_ids, _choices(host, body, len(chat.prompt_ids), chat.grammar),
-                          client=_client_label(request, body.user), param="messages")
+    handles = host.submit(rid, chat.prompt_ids, host.choices(body, len(chat.prompt_ids), chat.grammar),
+                          client=client_label(request, body.user), param="messages")
     fmt = ChatFormat(rid, body.model or host.names[0], client.tokenizer, [chat.output() for _ in handles],
-                     reasoning_field=host.reasoning_parser is not None)
-    return await _run(request, host, body, fmt, rid, handles, want_logprobs=body.logprobs)
+                     want_logprobs=body.logprobs, reasoning_field=host.reasoning_parser is not None)
+    return await answer(request, host, fmt, rid, handles, stream=body.stream,
+                        include_usage=body.include_usage())
 
 
 @router.post("/v1/completions")
@@ -81,7 +47,15 @@ async def completions(body: CompletionRequest, request: Request):
     client = host.require_client()
     body.check_fields()
     prompt = body.single_prompt()
-    if isinstance(prompt, list):
+    fim = None
+    if body.suffix is not None:     # fill in the middle: the model's FIM prompt around the cursor
+        if isinstance(prompt, list):
+            raise APIError(400, "suffix needs prompt as a string: the fill-in-the-middle prompt is built "
+                                "from the text before and after the cursor; send prompt as text, or token ids "
+                                "without suffix", param="suffix", code="invalid_value")
+        fim = require_fim(host, "suffix")
+        ids = fim_prompt(client.tokenizer, fim, prompt, body.suffix)
+    elif isinstance(prompt, list):
         host.check_token_ids(prompt, "prompt")
         ids = prompt
     else:
@@ -90,11 +64,13 @@ async def completions(body: CompletionRequest, request: Request):
     grammar = requested[0] if requested else None
     if requested:
         await compile_grammar(host, *requested)
+    params = host.choices(body, len(ids), grammar)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    handles = host.submit(rid, ids, _choices(host, body, len(ids), grammar),
-                          client=_client_label(request, body.user))
-    fmt = TextFormat(rid, body.model or host.names[0], client.tokenizer)
-    return await _run(request, host, body, fmt, rid, handles, want_logprobs=body.logprobs is not None)
+    handles = host.submit(rid, ids, params if fim is None else with_fim_stops(params, fim),
+                          client=client_label(request, body.user))
+    fmt = TextFormat(rid, body.model or host.names[0], client.tokenizer, want_logprobs=body.logprobs is not None)
+    return await answer(request, host, fmt, rid, handles, stream=body.stream,
+                        include_usage=body.include_usage())
 
 
 @router.get("/v1/models")

@@ -312,11 +312,8 @@ class CompletionRequest(SamplingBody):
     prompt: str | list[int] | list[str]
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = None       # fill in the middle (engine/server/fim.py)
     best_of: int | None = None
-
-    UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "suffix": "fill-in-the-middle is not implemented yet; send the whole prompt"}
 
     def check_fields(self) -> None:
         super().check_fields()

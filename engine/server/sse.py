@@ -19,10 +19,12 @@ _QUEUE_EVENTS = 4       # more would hide a slow reader from the engine's pause 
 _DONE = object()
 
 
-def sse_event(payload: dict | str) -> bytes:
+def sse_event(payload: dict | str, event: str | None = None) -> bytes:
+    """One server-sent event: `data:` the JSON payload (or text), after `event:` if named."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
                                                                separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    named = f"event: {event}\n" if event else ""
+    return f"{named}data: {data}\n\n".encode()
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
@@ -33,7 +35,7 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 class EventStream(Response):
     def __init__(self, events: AsyncIterator[bytes], *, on_close: Callable[[], None],
-                 send_timeout_s: float, keepalive_s: float):
+                 send_timeout_s: float, keepalive_s: float, keepalive: bytes):
         # no Response.__init__: it would announce content-length 0 for a body it does not know
         self.status_code = 200
         self.background = None
@@ -43,7 +45,7 @@ class EventStream(Response):
         self._on_close = on_close
         self._send_timeout_s = send_timeout_s
         self._keepalive_s = keepalive_s     # short, so clients and proxies with read timeouts see
-                                            # life while queued
+        self._keepalive = keepalive         # life while queued
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         queue: asyncio.Queue = asyncio.Queue(maxsize=_QUEUE_EVENTS)
@@ -65,7 +67,7 @@ class EventStream(Response):
                 try:
                     event = await asyncio.wait_for(queue.get(), self._keepalive_s)
                 except TimeoutError:
-                    event = b": keep-alive\n\n"
+                    event = self._keepalive
                 if event is _DONE:
                     break
                 await asyncio.wait_for(send({"type": "http.response.body", "body": event,

@@ -2,15 +2,18 @@
 choice, tool calls, reasoning, logprobs."""
 from __future__ import annotations
 
-import time
-
 from engine.loop import Delta
 from engine.request import FinishReason
 from engine.server.chat_output import ChatOutput
+from engine.server.sse import sse_event
 from engine.server.tool_parsers import ToolCallDelta
+from engine.server.wire_format import WireFormat
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:
+    """OpenAI's name: a request stopped by the server's time limit ended "length", as if out of tokens."""
+    if reason is FinishReason.TIMEOUT:
+        return FinishReason.LENGTH.value
     return None if reason is None else reason.value
 
 
@@ -24,12 +27,8 @@ def usage_of(totals: list[Delta]) -> dict:
     return usage(max(t.prompt_tokens for t in totals), sum(t.completion_tokens for t in totals))
 
 
-class _Format:
-    def __init__(self, request_id: str, model: str, tokenizer):
-        self.id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self._tokenizer = tokenizer
+class _Format(WireFormat):
+    """OpenAI's stream: one `data:` chunk per delta, the usage chunk if asked, then [DONE]."""
 
     def _token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
@@ -38,16 +37,27 @@ class _Format:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def usage_chunk(self, totals: list[Delta]) -> dict:
-        return self._envelope(self.CHUNK, [], usage=usage_of(totals))
+    def opening(self) -> list[bytes]:
+        return [sse_event(chunk) for chunk in self.role_chunks()]
+
+    def events(self, index: int, delta: Delta) -> list[bytes]:
+        chunk = self.chunk(index, delta)
+        return [] if chunk is None else [sse_event(chunk)]
+
+    def closing(self, last: list[Delta], include_usage: bool) -> list[bytes]:
+        usage_chunk = self._envelope(self.CHUNK, [], usage=usage_of(last))
+        return ([sse_event(usage_chunk)] if include_usage else []) + [sse_event("[DONE]")]
+
+    def error_event(self, error) -> bytes:
+        return sse_event(error.body())
 
 
 class ChatFormat(_Format):
     CHUNK = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, tokenizer, outputs: list[ChatOutput],
-                 reasoning_field: bool = False):
-        super().__init__(request_id, model, tokenizer)
+                 want_logprobs: bool = False, reasoning_field: bool = False):
+        super().__init__(request_id, model, tokenizer, want_logprobs)
         self.outputs = outputs          # one per choice
         self.reasoning_field = reasoning_field  # the server splits reasoning: the field is always there
 
@@ -71,9 +81,9 @@ class ChatFormat(_Format):
             return "tool_calls"
         return finish_reason(reason)
 
-    def chunk(self, index: int, delta: Delta, want_logprobs: bool) -> dict | None:
+    def chunk(self, index: int, delta: Delta) -> dict | None:
         piece = self.outputs[index].feed(delta.text, final=delta.finish_reason is not None)
-        logprobs = self.logprobs(delta.logprobs) if want_logprobs else None
+        logprobs = self.logprobs(delta.logprobs) if self.want_logprobs else None
         if not piece and delta.finish_reason is None and logprobs is None:
             return None
         body: dict = {}
@@ -86,7 +96,7 @@ class ChatFormat(_Format):
         return self._envelope(self.CHUNK, [{"index": index, "delta": body, "logprobs": logprobs,
                                             "finish_reason": self._reason(index, delta.finish_reason)}])
 
-    def whole(self, totals: list[Delta], want_logprobs: bool) -> dict:
+    def whole(self, totals: list[Delta]) -> dict:
         choices = []
         for i, total in enumerate(totals):
             output = self.outputs[i]
@@ -98,7 +108,7 @@ class ChatFormat(_Format):
             if piece.tool_calls:
                 message["tool_calls"] = _whole_calls(piece.tool_calls)
             choices.append({"index": i, "message": message,
-                            "logprobs": self.logprobs(total.logprobs) if want_logprobs else None,
+                            "logprobs": self.logprobs(total.logprobs) if self.want_logprobs else None,
                             "finish_reason": self._reason(i, total.finish_reason)})
         return self._envelope("chat.completion", choices, usage=usage_of(totals))
 
@@ -142,16 +152,16 @@ class TextFormat(_Format):
     def role_chunks(self) -> list[dict]:
         return []
 
-    def chunk(self, index: int, delta: Delta, want_logprobs: bool) -> dict | None:
-        logprobs = self.logprobs(delta.logprobs) if want_logprobs else None
+    def chunk(self, index: int, delta: Delta) -> dict | None:
+        logprobs = self.logprobs(delta.logprobs) if self.want_logprobs else None
         if not delta.text and delta.finish_reason is None and logprobs is None:
             return None
         return self._envelope(self.CHUNK, [{"index": index, "text": delta.text, "logprobs": logprobs,
                                             "finish_reason": finish_reason(delta.finish_reason)}])
 
-    def whole(self, totals: list[Delta], want_logprobs: bool) -> dict:
+    def whole(self, totals: list[Delta]) -> dict:
         return self._envelope("text_completion", [
             {"index": i, "text": total.text,
-             "logprobs": self.logprobs(total.logprobs) if want_logprobs else None,
+             "logprobs": self.logprobs(total.logprobs) if self.want_logprobs else None,
              "finish_reason": finish_reason(total.finish_reason)} for i, total in enumerate(totals)],
             usage=usage_of(totals))

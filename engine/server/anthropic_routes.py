@@ -1,0 +1,46 @@
+"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens. The same chat core as
+the OpenAI routes (engine/server/chat.py: template, tools, grammars, reasoning); only the wire
+format differs. Errors on these routes take Anthropic's shape (engine/server/errors.py)."""
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Request
+
+from engine.server.anthropic_format import MessageFormat
+from engine.server.anthropic_schemas import CountTokensRequest, MessagesRequest
+from engine.server.chat import Chat, prepare_chat
+from engine.server.engine_host import EngineHost, client_label
+from engine.server.generation import answer
+from engine.server.tools import tool_request
+
+router = APIRouter()
+
+
+async def _chat(host: EngineHost, body: MessagesRequest) -> Chat:
+    host.check_model(body.model)
+    host.require_client()
+    body.check_fields()
+    choice = body.tool_choice
+    tools = tool_request(body.openai_tools(), choice.as_openai() if choice else None,
+                         not (choice and choice.disable_parallel_tool_use))
+    return await prepare_chat(host, body.chat(), tools, body.output_grammar(), body.template_kwargs(),
+                              body.prefill())
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request):
+    host: EngineHost = request.app.state.host
+    chat = await _chat(host, body)
+    rid = f"msg_{uuid.uuid4().hex}"
+    handles = host.submit(rid, chat.prompt_ids, host.choices(body, len(chat.prompt_ids), chat.grammar),
+                          client=client_label(request, body.user), param="messages")
+    fmt = MessageFormat(rid, body.model or host.names[0], host.client.tokenizer, chat.output(),
+                        len(chat.prompt_ids))
+    return await answer(request, host, fmt, rid, handles, stream=body.stream)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request):
+    chat = await _chat(request.app.state.host, body)
+    return {"input_tokens": len(chat.prompt_ids)}
