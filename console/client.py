@@ -103,7 +103,8 @@ class InProcessClient:
         self._engine.submit(prompt="hi", params=SamplingParams(max_tokens=1), client="warm-up").result()
         info = self._engine.info()
         return (f"{info.model} · {info.architecture} · {info.dtype} on {info.device} · "
-                f"weights {info.weights} · {info.kv_pool_tokens:,} K/V tokens")
+                f"weights {info.weights} · {info.kv_pool_tokens:,} K/V tokens "
+                f"({info.kv_pool_bytes / 2**30:.1f} GiB)")
 
     def stream(self, messages: list[dict], *, temperature: float, max_tokens: int,
                client: str) -> ReplyStream:
@@ -216,7 +217,9 @@ class HttpClient:
             raise ConsoleClientError(f"{self.url} is not serving: {health}")
         props = self._get("/props")
         name = props.get("model") or props.get("model_path") or "model"
-        return f"{name} · {self.url}"
+        pool = (f" · {props['kv_pool_tokens']:,} K/V tokens ({props['kv_pool_bytes'] / 2**30:.1f} GiB)"
+                if "kv_pool_bytes" in props else "")
+        return f"{name} · {self.url}{pool}"
 
     def stream(self, messages: list[dict], *, temperature: float, max_tokens: int,
                client: str) -> ReplyStream:

@@ -71,8 +71,10 @@ class EngineConfig:
     device: str = _choice("auto", ("auto", "cpu", "cuda"), "where to run; auto = cuda when a GPU is visible, else cpu")
     max_concurrency: int = _key(8, "an integer >= 1", lambda v: v >= 1,
                                 "most requests decoded at once (rows per step)")
-    kv_pool_tokens: int = _key(0, "an integer >= 0 (0 = sized from free memory)", lambda v: v >= 0,
-                               "K/V cache size in tokens, all requests together; 0 = sized from free memory")
+    kv_pool_tokens: int = _key(0, "an integer >= 0 (0 = sized for max_concurrency)", lambda v: v >= 0,
+                               "K/V cache size in tokens, all requests together; 0 = on CPUs max_concurrency "
+                               "sequences of up to 8,192 tokens within half the free memory, on GPUs what "
+                               "free memory holds")
     block_size: int = _key(16, "a power of two between 8 and 256", _power_of_two_in(8, 256),
                            "tokens per K/V cache block")
     max_model_len: int = _key(0, "an integer >= 0 (0 = the model's own limit)", lambda v: v >= 0,

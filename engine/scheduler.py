@@ -154,7 +154,7 @@ class Scheduler:
             prompt_tokens_per_s=prompt_rate, generation_tokens_per_s=gen_rate,
             ttft_p50_s=percentile(self._recorder.ttft, 50),
             itl_p50_s=percentile(self._recorder.itl, 50), itl_p99_s=percentile(self._recorder.itl, 99),
-            requests=rows, **self._prefix.stats())
+            requests=rows, steps_total=self._next_step, **self._prefix.stats())
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[Event]:

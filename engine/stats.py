@@ -53,6 +53,7 @@ class SchedulerStats:
     checkpoints: int = 0                    # hybrid models: state slots holding a checkpoint
     checkpoint_hits_total: int = 0          # admissions that resumed from a checkpoint
     checkpoint_evictions_total: int = 0
+    steps_total: int = 0                    # engine steps (plans executed) since start
 
 
 def percentile(samples, p: float) -> float | None:

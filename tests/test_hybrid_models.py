@@ -141,11 +141,11 @@ def test_state_slots_are_counted_in_the_pool_budget(hybrid_checkpoint, monkeypat
     assert conv.shape == (3, 2 * key_dim + value_dim, 3) and ssm.shape == (3, 4, 16, 8)
     per_slot = engine.state_pool.shape.bytes_per_slot
     assert per_slot == 2 * (conv[0].numel() * 4 + ssm[0].numel() * 4)
-    # sized from memory: the slots' bytes come off the usable memory before blocks are counted
+    # sized from (GPU) memory: the slots' bytes come off the usable memory before blocks are counted
     free = 10 * 2**30
     monkeypatch.setattr(pool_module, "available_bytes", lambda device: free)
     shape = engine.pool.shape
-    kwargs = dict(kv_pool_tokens=0, max_concurrency=10**6, max_model_len=128, device=torch.device("cpu"))
+    kwargs = dict(kv_pool_tokens=0, max_concurrency=10**6, max_model_len=128, device=torch.device("cuda"))
     usable = free - free // 10
     assert pool_module.plan_num_blocks(shape, **kwargs) == usable // shape.bytes_per_block
     assert (pool_module.plan_num_blocks(shape, state_bytes=per_slot * 5000, **kwargs)

@@ -194,6 +194,7 @@ def test_request_table_cancel_and_metrics(server, auth):
     assert metric(text, 'pagedserve:request_finished_total{finished_reason="cancelled"}') >= 1
     assert metric(text, "pagedserve:kv_cache_usage_perc") == 0
     assert metric(text, "pagedserve:generation_tokens_total") > 0
+    assert metric(text, "pagedserve:engine_steps_total") >= metric(text, "pagedserve:generation_tokens_total") / 4
     assert metric(text, "pagedserve:time_to_first_token_seconds_count") >= 1
     assert metric(text, "pagedserve:inter_token_latency_seconds_count") >= 1
 

@@ -2,8 +2,10 @@
 in the memory left after the weights and the state slots."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import psutil
 import torch
 
@@ -35,12 +37,20 @@ def available_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
+# A CPU pool is sized for what the configured concurrency needs: max_concurrency sequences of up to
+# DEFAULT_CONTEXT tokens (fewer if max_model_len is shorter), in at most CPU_MEMORY_SHARE of the memory
+# available after loading. A GPU pool takes what free memory allows: that is what a GPU server is for.
+DEFAULT_CONTEXT = 8192
+CPU_MEMORY_SHARE = 0.5
+
+
 def plan_num_blocks(shape: KVShape, *, kv_pool_tokens: int, max_concurrency: int,
                     max_model_len: int, device: torch.device, reserve_fraction: float = 0.1,
                     reserve_min_bytes: int = 1 << 30, state_bytes: int = 0) -> int:
-    """Blocks for the pool: the user's token count, else what free memory holds (minus a reserve and
-    the `state_bytes` of recurrent-state slots), capped at max_concurrency full-length sequences;
-    never less than one full-length sequence."""
+    """Blocks for the pool: the user's token count, else (CPU) what max_concurrency sequences of
+    DEFAULT_CONTEXT tokens need, capped by CPU_MEMORY_SHARE of free memory, or (GPU) what free memory
+    holds less a reserve, capped at max_concurrency full-length sequences. The `state_bytes` of
+    recurrent-state slots come off the memory first; never less than one full-length sequence."""
     bs = shape.block_size
     per_seq = -(-max_model_len // bs) + 1          # a full-length sequence plus its spare block
     if kv_pool_tokens:
@@ -48,9 +58,13 @@ def plan_num_blocks(shape: KVShape, *, kv_pool_tokens: int, max_concurrency: int
         source = f"kv_pool_tokens = {kv_pool_tokens:,}"
     else:
         free = available_bytes(device)
-        usable = free - max(reserve_min_bytes, int(free * reserve_fraction)) - state_bytes
-        blocks = max(0, usable // shape.bytes_per_block)
-        blocks = min(blocks, per_seq * max_concurrency)
+        if device.type == "cpu":
+            usable = int(free * CPU_MEMORY_SHARE) - state_bytes
+            wanted = max_concurrency * (-(-min(max_model_len, DEFAULT_CONTEXT) // bs) + 1)
+            blocks = min(max(wanted, per_seq), max(0, usable // shape.bytes_per_block))
+        else:
+            usable = free - max(reserve_min_bytes, int(free * reserve_fraction)) - state_bytes
+            blocks = min(max(0, usable // shape.bytes_per_block), per_seq * max_concurrency)
         source = (f"{free / 2**30:.1f} GiB free memory ({shape.bytes_per_block:,} "
                   f"bytes per block of {bs} tokens)")
     if blocks < per_seq:
@@ -61,6 +75,18 @@ def plan_num_blocks(shape: KVShape, *, kv_pool_tokens: int, max_concurrency: int
     return int(blocks)
 
 
+def lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros whose CPU memory is only committed as it is first written: calloc'd pages (numpy's
+    zeros) come from the OS already zero, while torch.zeros writes every byte at once. Aligned to 64
+    bytes, as torch's own allocations are."""
+    if device.type != "cpu":
+        return torch.zeros(dims, dtype=dtype, device=device)
+    nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -raw.ctypes.data % 64
+    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(dims)
+
+
 class KVPool:
     """One (k, v) pair of `[num_blocks, block_size, kv_heads, head_dim]` tensors per attention layer."""
 
@@ -69,8 +95,7 @@ class KVPool:
         self.num_blocks = num_blocks
         dims = (num_blocks, shape.block_size, shape.kv_heads, shape.head_dim)
         # zeros, not empty: padded attention reads of unwritten slots must not meet NaN garbage
-        self.layers = [(torch.zeros(dims, dtype=shape.dtype, device=device),
-                        torch.zeros(dims, dtype=shape.dtype, device=device))
+        self.layers = [(lazy_zeros(dims, shape.dtype, device), lazy_zeros(dims, shape.dtype, device))
                        for _ in range(shape.num_layers)]
 
     @property

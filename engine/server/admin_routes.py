@@ -56,7 +56,7 @@ async def list_requests(request: Request):
              "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
              "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "cached_blocks": s.cached_blocks,
              "cache_evictions_total": s.cache_evictions_total, "checkpoints": s.checkpoints,
-             "checkpoint_hits_total": s.checkpoint_hits_total}
+             "checkpoint_hits_total": s.checkpoint_hits_total, "steps_total": s.steps_total}
     return {"object": "list", "data": rows, "stats": stats}
 
 

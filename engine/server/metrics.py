@@ -50,6 +50,7 @@ class _SnapshotCollector:
                                        s.cache_evictions_total),
             "state_checkpoint_hits": ("Admissions of hybrid models that resumed from a recurrent-state "
                                       "checkpoint.", s.checkpoint_hits_total),
+            "engine_steps": ("Engine steps run (one plan each).", s.steps_total),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"pagedserve:{name}", doc, value=value)
