@@ -1,9 +1,15 @@
 """The Textual console: chat sessions as tabs, a monitor screen, all through one ConsoleClient.
 
 Threads never touch widgets: replies are read by ReplyBuffers on their own threads, and one timer
-(~30 Hz) moves what arrived into the sessions and into the visible session's widgets only. Engine
+(~30 Hz) moves what arrived into the sessions and into the visible session's widgets only. It does so
+on the app's own message queue, like every handler that sends, queues or takes back a message, so
+none of them runs in the middle of another (each has awaits: mounting, Markdown updates). Engine
 calls that may block (connect, HTTP snapshot and cancel) run on daemon threads and answer with
 `post_message`, which is thread-safe (`call_from_thread` would block the caller).
+
+A message sent while its session replies (or while the model loads) is queued, shown dimmed under the
+transcript, and sent when the reply ends; more messages sent meanwhile join it as new paragraphs. Esc
+first takes a queued message back into the prompt box, and only then stops the reply.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import uuid
 from collections.abc import Callable
 
 from textual.app import App, ComposeResult
+from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import Footer, Header, TabbedContent
 
@@ -52,6 +59,15 @@ class Notice(Message):
         self.text, self.severity = text, severity
 
 
+class StopAsked(Message):
+    """Esc, posted from the prompt box behind the keys still on their way to it (see `PromptInput`),
+    so that "text, Enter, Esc" takes back what Enter queued rather than overtaking it."""
+
+    def __init__(self, prompt: PromptInput):
+        super().__init__()
+        self.prompt = prompt
+
+
 class ConsoleApp(App):
     TITLE = "pagedserve"
     BINDINGS = bindings(APP_KEYS, priority=True)
@@ -69,6 +85,8 @@ class ConsoleApp(App):
         self.sessions: dict[str, Session] = {}
         self.panes: dict[str, SessionPane] = {}      # widgets by session id: no query_one on late messages
         self.replies: dict[str, ReplyBuffer] = {}    # live replies by session id
+        self.queued: dict[str, str] = {}             # by session id: the message sent once it is free
+        self._drain_pending = False
         self.monitor = MonitorScreen()
         self._polling = threading.Event()
 
@@ -89,7 +107,7 @@ class ConsoleApp(App):
             self.notify(error, severity="warning")
         if not self.sessions:
             await self.action_new_session()
-        self.set_interval(FRAME_S, self._drain)
+        self.set_interval(FRAME_S, self._frame)
         self.set_interval(POLL_S, self._poll)
         self._in_thread(self._connect)
 
@@ -122,7 +140,7 @@ class ConsoleApp(App):
             self.post_message(Notice(f"cancelled {request_id}"))
 
     # -- messages from threads and screens
-    def on_connected(self, message: Connected) -> None:
+    async def on_connected(self, message: Connected) -> None:
         if message.error is not None:
             self.loading.failed(message.error)
             self.notify(message.error, severity="error", timeout=30)
@@ -130,6 +148,8 @@ class ConsoleApp(App):
         self.ready = True
         self.loading.display = False
         self.sub_title = message.description or ""
+        for sid in list(self.queued):   # typed while the model loaded
+            await self._send_queued(sid)
 
     def on_downloading(self, message: Downloading) -> None:
         self.loading.downloading(message.done, message.total)
@@ -145,25 +165,53 @@ class ConsoleApp(App):
         self._in_thread(lambda: self._cancel_request(message.request_id))
 
     async def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
-        sid = self.active_id()
-        if sid is None:
+        sid = self._owner(message.prompt)
+        if sid is None:                       # its session was closed meanwhile, text and all
             return
-        if self._can_start(sid):
-            turn = Turn("user", message.text)
-            self.sessions[sid].turns.append(turn)
-            await self.panes[sid].add_turn(turn)
-            await self._start_reply(sid)
+        if self._busy(sid) or sid in self.queued:
+            before = self.queued.get(sid)
+            self.queued[sid] = message.text if before is None else f"{before}\n\n{message.text}"
+            await self._show_queued(sid)
+        else:
+            await self._send(sid, message.text)
+
+    async def on_stop_asked(self, message: StopAsked) -> None:
+        await self._stop(self._owner(message.prompt))
 
     async def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
         await self._refresh_visible()
 
     # -- replies
+    def _busy(self, sid: str) -> bool:
+        return not self.ready or sid in self.replies
+
     def _can_start(self, sid: str) -> bool:
         if not self.ready:
             self.notify(f"{self.what} is still loading", severity="warning")
-        elif sid in self.replies:
+        elif self._busy(sid):
             self.notify("this session is still replying; Esc stops it", severity="warning")
-        return self.ready and sid not in self.replies
+        return not self._busy(sid)
+
+    async def _send(self, sid: str, text: str) -> None:
+        turn = Turn("user", text)
+        self.sessions[sid].turns.append(turn)
+        await self.panes[sid].add_turn(turn)
+        await self._start_reply(sid)
+
+    async def _send_queued(self, sid: str) -> None:
+        if sid in self.queued and not self._busy(sid):
+            text = self.queued.pop(sid)
+            await self.panes[sid].show_queued(None)
+            await self._send(sid, text)
+
+    async def _show_queued(self, sid: str) -> None:
+        if not self.ready:
+            when = f"sent when {self.what} is ready"
+        else:
+            when = "sent when the reply ends"
+        stop = self.key_overrides.get("stop", next(s.key for s in APP_KEYS if s.id == "stop"))
+        key = self.get_key_display(Binding(stop.split(",")[0], ""))
+        await self.panes[sid].show_queued(self.queued[sid], f"queued, {when} · {key} takes it back")
 
     async def _start_reply(self, sid: str) -> None:
         session = self.sessions[sid]
@@ -176,7 +224,14 @@ class ConsoleApp(App):
         self.replies[sid] = buffer
         buffer.start()
 
+    def _frame(self) -> None:
+        # on the timer's own task: hand the drain to the app's queue (at most one waiting there)
+        if not self._drain_pending:
+            self._drain_pending = True
+            self.call_later(self._drain)
+
     async def _drain(self) -> None:
+        self._drain_pending = False
         visible = self.visible_id()
         for sid, buffer in list(self.replies.items()):
             text, final = buffer.take()
@@ -190,8 +245,11 @@ class ConsoleApp(App):
                 if final.error is not None:
                     self.notify(final.error, severity="error")
                 self.store.save(self.sessions[sid])
-            if sid == visible and (text or final is not None):
+            # a hidden session is drawn in full before its queued message buries this reply
+            if (sid == visible and text) or (final is not None and (sid == visible or sid in self.queued)):
                 await self.panes[sid].show_last(reply)
+            if final is not None:
+                await self._send_queued(sid)
 
     async def _refresh_visible(self) -> None:
         sid = self.visible_id()
@@ -207,6 +265,10 @@ class ConsoleApp(App):
     def active_id(self) -> str | None:
         active = self.tabs.active
         return next((sid for sid, pane in self.panes.items() if pane.id == active), None)
+
+    def _owner(self, prompt: PromptInput) -> str | None:
+        """The session whose box `prompt` is (the active tab may have changed since it posted)."""
+        return next((sid for sid, pane in self.panes.items() if pane.prompt is prompt), None)
 
     def visible_id(self) -> str | None:
         """The session whose widgets are on screen (none while the monitor covers them)."""
@@ -234,6 +296,7 @@ class ConsoleApp(App):
         if sid is None:
             return
         buffer = self.replies.pop(sid, None)   # its late output is dropped with it
+        self.queued.pop(sid, None)
         if buffer is not None:
             buffer.cancel()
         del self.sessions[sid]
@@ -257,8 +320,17 @@ class ConsoleApp(App):
         if self.screen is self.monitor:   # Esc leaves the monitor
             await self.action_toggle_monitor()
             return
-        sid = self.active_id()
-        if sid in self.replies:
+        if isinstance(self.focused, PromptInput):   # in order with what was typed into it
+            self.focused.call_later(self.focused.post_message, StopAsked(self.focused))
+        else:
+            await self._stop(self.active_id())
+
+    async def _stop(self, sid: str | None) -> None:
+        if sid in self.queued:            # first takes the queued message back into the box
+            text = self.queued.pop(sid)
+            await self.panes[sid].show_queued(None)
+            self.panes[sid].prompt.restore(text)
+        elif sid in self.replies:
             self.replies[sid].cancel()
 
     async def action_regenerate(self) -> None:

@@ -2,6 +2,7 @@
 the screen read back with capture-pane."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -37,6 +38,17 @@ class Tmux:
             time.sleep(0.2)
 
 
+FIB = "Write a Python function that returns the n-th Fibonacci number, iteratively."
+PLACEHOLDER = "Message (Enter"     # shown only while the prompt box is empty
+
+
+def last_reply(screen: str) -> str | None:
+    """The screen from the last 'Assistant' label down; None while no label is on screen."""
+    lines = screen.splitlines()
+    labels = [i for i, line in enumerate(lines) if line.strip() == "Assistant"]
+    return "\n".join(lines[labels[-1]:]) if labels else None
+
+
 def reply_lines(screen: str) -> list[str]:
     """The non-blank lines between the last 'Assistant' label and the prompt box."""
     lines = screen.splitlines()
@@ -57,7 +69,7 @@ def process_report() -> str:
     return report or "no console process left"
 
 
-def test_chat_streams_a_reply_and_esc_stops_it(tiny_checkpoint, tmp_path):
+def test_chat_streams_queues_and_esc_takes_back_then_stops(tiny_checkpoint, tmp_path):
     checkpoint = tiny_checkpoint(max_pos=4096)   # greedy output runs for thousands of tokens
     pagedserve = Path(sys.executable).parent / "pagedserve"
     # sessions and config go to tmp_path
@@ -69,7 +81,7 @@ def test_chat_streams_a_reply_and_esc_stops_it(tiny_checkpoint, tmp_path):
     # tmux 3.3a now and then leaves an exited pane process unreaped (a zombie, pane_dead_status empty),
     # so a shell around the console records its exit status instead
     chat = (f"{shlex.quote(str(pagedserve))} chat --model {shlex.quote(str(checkpoint))} "
-            f"--dtype float32 --temperature 0 --max-tokens 3000")
+            f"--dtype float32 --temperature 0 --max-tokens 4000")
     command = f"sh -c {shlex.quote(f'{chat}; echo $? > {shlex.quote(str(exit_file))}')}"
     tmux = Tmux(tmp_path / "tmux.sock")
     conf = tmp_path / "tmux.conf"   # Esc reaches the app at once, not after 500 ms; a crash stays readable
@@ -77,17 +89,29 @@ def test_chat_streams_a_reply_and_esc_stops_it(tiny_checkpoint, tmp_path):
     subprocess.run(["tmux", "-S", str(tmux.socket), "-f", str(conf), "new-session", "-d", "-s", "chat",
                     "-x", "110", "-y", "36", "-c", str(tmp_path), command], check=True, env=env, timeout=10)
     try:
-        tmux.wait_for(lambda s: "Message (Enter" in s and "loading" not in s, 120, "the model to load")  # a busy machine: generous
-        tmux("send-keys", "-t", "chat", "-l", "hello there")
-        tmux.wait_for(lambda s: "hello there" in s, 10, "the typed prompt")   # then Enter, on its own
-        tmux("send-keys", "-t", "chat", "Enter")
+        tmux.wait_for(lambda s: PLACEHOLDER in s and "loading" not in s, 120, "the model to load")  # a busy machine: generous
+        # text and Enter in one burst, as issue 20 typed it: it once sent "...the n-" and kept "th ..."
+        tmux("send-keys", "-t", "chat", FIB, "Enter")
         streaming = tmux.wait_for(lambda s: "Assistant" in s and len(reply_lines(s)) >= 3, 60,
                                   "streamed reply text")
-        assert "hello there" in streaming and "tok/s" not in streaming   # still streaming: no stats yet
-        tmux("send-keys", "-t", "chat", "Escape")
+        assert FIB in map(str.strip, streaming.splitlines()) and PLACEHOLDER in streaming  # whole; box empty
+        assert "tok/s" not in streaming                                   # still streaming: no stats yet
+        # the reply runs for thousands of tokens: a message sent now waits for it
+        tmux("send-keys", "-t", "chat", "hello there", "Enter")
+        queued = tmux.wait_for(lambda s: "queued, sent when the reply ends" in s, 10, "the queued message")
+        assert "hello there" in queued and PLACEHOLDER in queued and "tok/s" not in queued
+        tmux("send-keys", "-t", "chat", "Escape")   # takes it back into the box; the reply goes on
+        back = tmux.wait_for(lambda s: "queued," not in s and PLACEHOLDER not in s, 10, "the text back in the box")
+        assert "hello there" in back and "tok/s" not in back
+        tmux("send-keys", "-t", "chat", "Escape")   # now stops the reply
         stopped = tmux.wait_for(lambda s: "cancelled" in s, 20, "the reply to stop")
         tokens = int(next(line for line in stopped.splitlines() if "cancelled" in line).split()[0])
-        assert 0 < tokens < 3000
+        assert 0 < tokens < 4000 and "hello there" in stopped and PLACEHOLDER not in stopped
+        tmux("send-keys", "-t", "chat", "Enter")    # sends what came back
+        tmux.wait_for(lambda s: (r := last_reply(s)) is not None and "cancelled" not in r
+                      and PLACEHOLDER in s and len(reply_lines(s)) >= 1, 60, "the second reply")
+        tmux("send-keys", "-t", "chat", "Escape")
+        tmux.wait_for(lambda s: "cancelled" in (last_reply(s) or ""), 20, "the second reply to stop")
         tmux("send-keys", "-t", "chat", "F2")   # the monitor: the request is gone, its blocks freed
         tmux.wait_for(lambda s: "running 0 · waiting 0" in s and "blocks 0/" in s, 10, "an idle engine")
         tmux("send-keys", "-t", "chat", "Escape")
@@ -100,6 +124,9 @@ def test_chat_streams_a_reply_and_esc_stops_it(tiny_checkpoint, tmp_path):
             time.sleep(0.2)
         assert exit_file.read_text().strip() == "0", f"exit status {exit_file.read_text().strip()}:\n{tmux.screen()}"
         saved = list((tmp_path / "data" / "pagedserve" / "sessions").glob("*.json"))
-        assert len(saved) == 1 and "cancelled" in saved[0].read_text()
+        assert len(saved) == 1
+        turns = json.loads(saved[0].read_text())["turns"]   # what the console sent the engine
+        assert [t["content"] for t in turns if t["role"] == "user"] == [FIB, "hello there"]
+        assert [t["stats"]["finish_reason"] for t in turns if t["role"] == "assistant"] == ["cancelled"] * 2
     finally:
         subprocess.run(["tmux", "-S", str(tmux.socket), "kill-server"], capture_output=True)

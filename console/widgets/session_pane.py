@@ -1,4 +1,5 @@
-"""A session's tab: the transcript (one TurnView per turn) above the prompt box."""
+"""A session's tab: the transcript (one TurnView per turn, then the queued message if there is one)
+above the prompt box."""
 from __future__ import annotations
 
 from textual.app import ComposeResult
@@ -7,7 +8,7 @@ from textual.widgets import TabPane
 
 from console.sessions import Session, Turn
 from console.widgets.prompt import PromptInput
-from console.widgets.turn import TurnView
+from console.widgets.turn import QueuedView, TurnView
 
 
 class SessionPane(TabPane):
@@ -33,10 +34,28 @@ class SessionPane(TabPane):
             await view.show(turn)
         self._initial = []
 
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
     async def add_turn(self, turn: Turn) -> None:
         view = TurnView(turn)
-        await self.query_one(VerticalScroll).mount(view)
+        queued = self.query(QueuedView)
+        await self.query_one(VerticalScroll).mount(view, before=queued.first() if queued else None)
         await view.show(turn)
+
+    async def show_queued(self, text: str | None, note: str = "") -> None:
+        """Show `text` as the message waiting to be sent (None: there is none)."""
+        queued = self.query(QueuedView)
+        if text is None:
+            await queued.remove()
+            return
+        if queued:
+            view = queued.first()
+        else:
+            view = QueuedView()
+            await self.query_one(VerticalScroll).mount(view)
+        view.show(text, note)
 
     async def show_last(self, turn: Turn) -> None:
         views = self.query(TurnView)

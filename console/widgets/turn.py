@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import Label, Markdown
+from textual.widgets import Label, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from console.sessions import Turn
@@ -52,3 +52,22 @@ class TurnView(Vertical):
             await self._stream.write(turn.content[self._shown:])
             self._shown = len(turn.content)
             self.query_one(".stats", Label).update("…")
+
+
+class QueuedView(Vertical):
+    """A message that waits to be sent (its session is still replying, or the model still loading):
+    dimmed, under the transcript, with a note saying when it goes and how to take it back."""
+
+    DEFAULT_CSS = """
+    QueuedView { height: auto; margin: 0 0 1 0; }
+    QueuedView .role { color: $text-muted; text-style: bold italic; }
+    QueuedView .queued { color: $text-muted; padding: 0 1; }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield Label("", classes="role")
+        yield Static("", classes="queued", markup=False)
+
+    def show(self, text: str, note: str) -> None:
+        self.query_one(".role", Label).update(f"You · {note}" if note else "You · queued")
+        self.query_one(".queued", Static).update(text)
