@@ -19,6 +19,7 @@ import click
 from click.core import ParameterSource
 
 from engine import config as cfg
+from engine.atomic_file import write_atomic
 from engine.errors import UserError
 from engine.grammar import Grammar
 from engine.request import SamplingParams
@@ -255,7 +256,7 @@ def config_init(force: bool) -> None:
     if target.exists() and not force:
         raise click.ClickException(f"{target} already exists; pass --force to overwrite it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(cfg.default_config_text(), encoding="utf-8")
+    write_atomic(target, cfg.default_config_text())
     click.echo(f"wrote {target}")
 
 

@@ -1,7 +1,8 @@
 """Chat sessions: what a session holds, saving/restoring them as JSON, exporting one to Markdown.
 
 Sessions live in the user's data dir (platformdirs), one JSON file per session, so closing a tab
-deletes one file and a crash mid-write loses at most that session's latest change.
+deletes one file and a crash mid-write loses at most that session's latest change (every write
+replaces the whole file in one rename, engine/atomic_file.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import platformdirs
+
+from engine.atomic_file import write_atomic
 
 
 @dataclass
@@ -99,10 +102,7 @@ class SessionStore:
 
     def save(self, session: Session) -> None:
         self.sessions_dir.mkdir(parents=True, exist_ok=True)
-        path = self.sessions_dir / f"{session.id}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(session.to_json(), indent=1), encoding="utf-8")
-        tmp.replace(path)
+        write_atomic(self.sessions_dir / f"{session.id}.json", json.dumps(session.to_json(), indent=1))
 
     def delete(self, session_id: str) -> None:
         (self.sessions_dir / f"{session_id}.json").unlink(missing_ok=True)
@@ -111,5 +111,5 @@ class SessionStore:
         self.exports_dir.mkdir(parents=True, exist_ok=True)
         stem = re.sub(r"[^\w.-]+", "-", session.title).strip("-") or session.id
         path = self.exports_dir / f"{stem}.md"
-        path.write_text(session.to_markdown(), encoding="utf-8")
+        write_atomic(path, session.to_markdown())
         return path

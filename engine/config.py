@@ -17,6 +17,7 @@ from typing import Any
 import platformdirs
 import tomlkit
 
+from engine.atomic_file import write_atomic
 from engine.errors import UserError
 
 if sys.version_info >= (3, 11):
@@ -109,6 +110,9 @@ class ServerConfig:
     api_key: str = _key("", "a string (empty = no key)", lambda v: True,
                         "clients must send `Authorization: Bearer <api_key>`; empty = no authentication")
     max_body_bytes: int = _key(1048576, "an integer >= 1", lambda v: v >= 1, "largest request body accepted")
+    admin_key: str = _key("", "a string (empty = loopback only)", lambda v: True,
+                          "the operator's key for the request table (GET/DELETE /v1/requests), which "
+                          "shows and cancels every client's requests; empty = it answers loopback only")
     served_model_name: tuple = _key((), "a list of non-empty names", lambda v: all(v),
                                     "names clients send as `model` and /v1/models lists (repeat the flag "
                                     "for aliases); empty = the preset name, or the model file's or "
@@ -122,6 +126,9 @@ class ServerConfig:
     sse_keepalive_s: float = _key(1.0, "a number > 0 (seconds)", lambda v: v > 0,
                                   "a stream with nothing to send (queued, or in a long prefill) gets a "
                                   "`: keep-alive` comment this often")
+    header_timeout_s: float = _key(10.0, "a number > 0 (seconds)", lambda v: v > 0,
+                                   "a connection whose request headers are not all in after this many "
+                                   "seconds is closed (slow senders hold connections otherwise)")
     request_timeout_s: float = _key(0.0, "a number >= 0 (seconds; 0 = no limit)", lambda v: v >= 0,
                                     "a request still generating after this many seconds stops and returns "
                                     "what it has (finish_reason length); 0 = no limit")
@@ -367,7 +374,7 @@ def set_in_file(path: Path, dotted: str, text: str) -> Any:
     if added:
         raise ConfigError(added, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(tomlkit.dumps(doc), encoding="utf-8")
+    write_atomic(path, tomlkit.dumps(doc))       # a crash mid-write keeps the old file, never half of it
     return value
 
 

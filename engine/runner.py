@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contracts import EngineLimits, PlanRow, RowOutput, StepPlan, StepResult
+from engine.debug_hooks import check_step
 from engine.models.batch import ForwardBatch
 from engine.sampling import sample
 
@@ -129,6 +130,7 @@ class ModelRunner:
         sampled = {}
         if rows:
             try:
+                check_step(plan.step)     # debug hook: raises in the steps PAGEDSERVE_DEBUG_FAIL_STEPS lists
                 with torch.inference_mode():
                     hidden = self._forward(self._batch(rows), rows)
                     sampling_rows = [r for r in rows if r.sample]

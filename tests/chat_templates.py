@@ -90,3 +90,21 @@ def chat_checkpoint(source: Path, destination: Path, template: str) -> Path:
 def tag_id(checkpoint: Path, tag: str) -> int:
     from tokenizers import Tokenizer
     return Tokenizer.from_file(str(checkpoint / "tokenizer.json")).token_to_id(tag)
+
+
+def chat_model(tmp_path_factory, tiny_checkpoint, name: str, template: str, generation: dict | None = None) -> Path:
+    """The tests' tiny qwen3 model as `name`, with `template` and its tags as tokens, and `generation`
+    merged into its generation_config.json (the model's sampling defaults)."""
+    base = tiny_checkpoint("qwen3", tied=False, heads=8, kv_heads=2, head_dim=32, max_pos=2048)
+    model = chat_checkpoint(base, tmp_path_factory.mktemp("models") / name, template)
+    file = model / "generation_config.json"
+    file.write_text(json.dumps(json.loads(file.read_text()) | (generation or {})))
+    return model
+
+
+def chat_server(tmp_path_factory, tiny_checkpoint, name: str, template: str, *flags: str,
+                generation: dict | None = None):
+    """`pagedserve serve` on chat_model(...) (use it as a context manager)."""
+    from server_process import ServerProcess
+    return ServerProcess(chat_model(tmp_path_factory, tiny_checkpoint, name, template, generation),
+                         "--max-concurrency", "4", *flags, max_model_len=1024, kv_pool_tokens=16384)

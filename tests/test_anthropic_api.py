@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from chat_templates import HERMES, XML_THINKING, chat_checkpoint
+from chat_templates import HERMES, XML_THINKING, chat_model
 from server_process import ServerProcess
 
 KEY = "sk-anthropic-test"
@@ -26,14 +26,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
 GREEDY = {"temperature": 0}     # the current SDK has no sampling arguments; the API still takes them
 
 
-def _model(tmp_path_factory, tiny_checkpoint, name: str, template: str):
-    base = tiny_checkpoint("qwen3", tied=False, heads=8, kv_heads=2, head_dim=32, max_pos=2048)
-    return chat_checkpoint(base, tmp_path_factory.mktemp("models") / name, template)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_checkpoint):
-    with ServerProcess(_model(tmp_path_factory, tiny_checkpoint, "tiny-claude", HERMES), "--api-key", KEY,
+    with ServerProcess(chat_model(tmp_path_factory, tiny_checkpoint, "tiny-claude", HERMES), "--api-key", KEY,
                        "--max-concurrency", "4", max_model_len=1024, kv_pool_tokens=16384) as srv:
         yield srv
 
@@ -159,14 +154,14 @@ def test_a_disconnect_mid_stream_frees_every_block(server):
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory, tiny_checkpoint):
     """A thinking model, a browser origin allowed, and a time limit no reply can meet."""
-    with ServerProcess(_model(tmp_path_factory, tiny_checkpoint, "tiny-think", XML_THINKING), "--api-key", KEY,
+    with ServerProcess(chat_model(tmp_path_factory, tiny_checkpoint, "tiny-think", XML_THINKING), "--api-key", KEY,
                        "--allowed-origins", "http://good.example", "--request-timeout-s", "0.001",
                        max_model_len=1024, kv_pool_tokens=16384) as srv:
         yield srv
 
 
 def test_thinking_comes_back_as_thinking_blocks(tmp_path_factory, tiny_checkpoint):
-    with ServerProcess(_model(tmp_path_factory, tiny_checkpoint, "tiny-think-2", XML_THINKING),
+    with ServerProcess(chat_model(tmp_path_factory, tiny_checkpoint, "tiny-think-2", XML_THINKING),
                        max_model_len=1024, kv_pool_tokens=16384) as srv:
         client = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
         kw = dict(model="tiny-think-2", max_tokens=16, messages=ASK, extra_body=GREEDY)

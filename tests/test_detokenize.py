@@ -6,24 +6,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.detokenize import IncrementalDetokenizer
-from engine.loading.tokenizer import load_tokenizer
+from engine.loading.tokenizer import byte_alphabet, load_tokenizer
 from tiny_models import build_tokenizer, special_token_id
 
 MODEL_VOCAB = 512  # the tiny models' vocab: ids 500..511 have no token, as in real padded vocabs
 TEXT = "Hello World! Grüße, 你好世界 🙂 def f(x): return x  # über"
-
-
-def _byte_to_char() -> dict[int, str]:
-    """GPT-2's byte -> printable char table that ByteLevel tokenizers store tokens in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +21,7 @@ def tok(tmp_path_factory):
 @pytest.fixture(scope="module")
 def byte_ids(tok):
     """byte value -> the id of the token made of exactly that byte."""
-    ids = {b: tok.token_to_id(c) for b, c in _byte_to_char().items()}
+    ids = {b: tok.token_to_id(c) for b, c in byte_alphabet().items()}
     assert None not in ids.values()
     return ids
 

@@ -19,8 +19,7 @@ from engine.server.chat_output import ChatOutput
 from engine.server.errors import APIError
 from engine.server.responses_format import ResponsesFormat
 
-from chat_templates import HERMES, XML_THINKING, chat_checkpoint, tag_id
-from server_process import ServerProcess
+from chat_templates import HERMES, XML_THINKING, chat_server, tag_id
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -34,24 +33,16 @@ ASK = "What is the weather in Paris for the next 3 days?"
 GENERATION = {"top_k": 1, "repetition_penalty": 1.0}       # top_k 1: leaving sampling out = greedy
 
 
-def _server(tmp_path_factory, tiny_checkpoint, name: str, template: str, *flags: str) -> ServerProcess:
-    base = tiny_checkpoint("qwen3", tied=False, heads=8, kv_heads=2, head_dim=32, max_pos=2048)
-    model = chat_checkpoint(base, tmp_path_factory.mktemp("models") / name, template)
-    file = model / "generation_config.json"
-    file.write_text(json.dumps(json.loads(file.read_text()) | GENERATION))
-    return ServerProcess(model, "--max-concurrency", "4", *flags, max_model_len=1024, kv_pool_tokens=16384)
-
-
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory, tiny_checkpoint):
-    with _server(tmp_path_factory, tiny_checkpoint, "tiny-hermes", HERMES,
-                 "--served-model-name", "tiny") as srv:
+    with chat_server(tmp_path_factory, tiny_checkpoint, "tiny-hermes", HERMES, "--served-model-name", "tiny",
+                     generation=GENERATION) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def thinking(tmp_path_factory, tiny_checkpoint):
-    with _server(tmp_path_factory, tiny_checkpoint, "tiny-xml", XML_THINKING) as srv:
+    with chat_server(tmp_path_factory, tiny_checkpoint, "tiny-xml", XML_THINKING, generation=GENERATION) as srv:
         yield srv
 
 

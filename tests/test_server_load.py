@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -54,14 +56,14 @@ def _cancelled(url: str) -> float:
         return 0.0
 
 
-def _raw_stream(port: int, body: dict) -> socket.socket:
+def _raw_stream(port: int, body: dict, headers: str = "") -> socket.socket:
     """A hand-made HTTP client, to read (or not read) at its own pace."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)    # a small window: a stall shows soon
     sock.connect(("127.0.0.1", port))
     payload = json.dumps(body | {"stream": True}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+                 b"Content-Length: %d\r\n\r\n%s" % (headers.encode(), len(payload), payload))
     return sock
 
 
@@ -82,6 +84,40 @@ def test_disconnect_mid_stream_frees_everything(server):
     assert metric(text, "pagedserve:num_requests_running") == 0
     assert metric(text, CANCELLED) == before + 1
     assert metric(text, "pagedserve:generation_tokens_total") - tokens_before < LONG["max_tokens"]
+
+
+def _hang_up(port: int, how: int, seed: int) -> None:
+    """Open a stream and leave: right after the request, after the headers, mid-stream, or with a
+    TCP reset (SO_LINGER 0)."""
+    rng = random.Random(seed)
+    sock = _raw_stream(port, LONG | {"max_tokens": 200, "prompt": "fox " * rng.randint(1, 40)})
+    if how >= 1:
+        sock.recv(100)
+    if how == 2:
+        for _ in range(rng.randint(1, 20)):
+            sock.recv(200)
+    if how == 3:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_every_stream_handler_ends_when_clients_hang_up(server):
+    """128 clients leave at random points; every SSE handler must end, not go on sending keep-alives
+    to a gone client (seen before: a sender that missed its cancel ran until shutdown killed it)."""
+    for round_ in range(4):
+        threads = [threading.Thread(target=_hang_up, args=(server.port, i % 4, 32 * round_ + i))
+                   for i in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert _wait_idle(server.url)["data"] == []
+    deadline = time.monotonic() + 30        # a bound on the wait, not a measured speed
+    while metric(_metrics(server.url), "pagedserve:http_streams_open") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = _metrics(server.url)
+    assert metric(text, "pagedserve:http_streams_open") == 0
+    assert metric(text, "pagedserve:kv_cache_usage_perc") == 0
 
 
 def _three_streams(url: str) -> list[str]:

@@ -11,8 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from chat_templates import HERMES, XML_THINKING, chat_checkpoint, tag_id
-from server_process import ServerProcess
+from chat_templates import HERMES, XML_THINKING, chat_server, tag_id
 
 TAGS = ("<tool_call>", "</tool_call>", "<function=", "<parameter=", "<think>", "</think>")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -30,25 +29,16 @@ GENERATION = {"top_k": 1, "repetition_penalty": 1.0}       # top_k 1: leaving sa
 SAMPLED = {"top_k": 0}          # a request that samples on the server with GENERATION's defaults
 
 
-def _server(tmp_path_factory, tiny_checkpoint, name: str, template: str, *flags: str,
-            generation: dict | None = None) -> ServerProcess:
-    base = tiny_checkpoint("qwen3", tied=False, heads=8, kv_heads=2, head_dim=32, max_pos=2048)
-    model = chat_checkpoint(base, tmp_path_factory.mktemp("models") / name, template)
-    file = model / "generation_config.json"
-    file.write_text(json.dumps(json.loads(file.read_text()) | (generation or {})))
-    return ServerProcess(model, "--max-concurrency", "4", *flags, max_model_len=1024, kv_pool_tokens=16384)
-
-
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory, tiny_checkpoint):
-    with _server(tmp_path_factory, tiny_checkpoint, "tiny-hermes", HERMES, "--served-model-name", "tiny",
+    with chat_server(tmp_path_factory, tiny_checkpoint, "tiny-hermes", HERMES, "--served-model-name", "tiny",
                  "--served-model-name", "tiny-alias", generation=GENERATION) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def thinking(tmp_path_factory, tiny_checkpoint):
-    with _server(tmp_path_factory, tiny_checkpoint, "tiny-xml", XML_THINKING) as srv:
+    with chat_server(tmp_path_factory, tiny_checkpoint, "tiny-xml", XML_THINKING) as srv:
         yield srv
 
 

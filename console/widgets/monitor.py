@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
@@ -88,8 +89,10 @@ class MonitorScreen(Screen):
         for key in [k for k in table.rows if k.value not in live]:
             table.remove_row(key)
         for r in snap.requests:
-            cells = {"id": r.id, "client": r.client or "-", "state": r.state, "prompt": r.prompt_tokens,
-                     "generated": r.generated_tokens, "rate": f"{r.tokens_per_s:.1f}", "blocks": r.blocks}
+            # Text, not str: DataTable reads a str as markup, and clients name themselves ("[/]")
+            cells = {"id": Text(r.id), "client": Text(r.client or "-"), "state": r.state,
+                     "prompt": r.prompt_tokens, "generated": r.generated_tokens,
+                     "rate": f"{r.tokens_per_s:.1f}", "blocks": r.blocks}
             if r.id in table.rows:
                 for key, value in cells.items():
                     table.update_cell(r.id, key, value)

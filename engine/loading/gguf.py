@@ -9,6 +9,7 @@ llama, and writes config.json, safetensors shards, tokenizer files and generatio
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -22,6 +23,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, quants
 from safetensors.torch import save_file
 
+from engine.atomic_file import write_atomic
 from engine.loading import gguf_quant
 from engine.loading.checkpoint import group_tensor_names
 from engine.loading.gguf_tokenizer import GGUFTokenizerError, write_tokenizer_files
@@ -55,6 +57,7 @@ MARKER = "complete.json"
 # in group form tied or not, for lookups that dequantize their rows).
 GROUP_FORMAT = 5
 HASH_INDEX = "hash-index.json"
+BUILD_TAG = ".tmp-"     # in the names of conversions under way: .<entry>.tmp-<pid>-<random>
 
 # progress(tensors_done, tensors_total, tensor_name), called after each converted tensor
 Progress = Callable[[int, int, str], None]
@@ -126,8 +129,8 @@ def _entry_is_complete(entry: Path, digest: str, keep_quantized: bool) -> bool:
 def _build_entry(path: Path, digest: str, dtype: str, entry: Path, progress: Progress | None,
                  keep_quantized: bool) -> Path:
     """Convert into a temp dir beside the entry, then rename it into place (replacing a damaged one)."""
-    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    _remove_dead_builds(entry.parent)
+    tmp, lock = _locked_build_dir(entry)
     try:
         _convert(path, tmp, DTYPES[dtype], progress, keep_quantized)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
@@ -144,13 +147,52 @@ def _build_entry(path: Path, digest: str, dtype: str, entry: Path, progress: Pro
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
     return entry
 
 
+def _locked_build_dir(entry: Path) -> tuple[Path, int]:
+    """A fresh temp dir beside the entry and an open descriptor holding its flock. The kernel drops the
+    lock however the process ends (SIGKILL too), so an unlocked temp dir is a dead build's leftover."""
+    while True:
+        tmp = entry.parent / f".{entry.name}{BUILD_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            lock = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue        # a cleaner took it between mkdir and open: take another name
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _names_this_dir(tmp, lock):
+            return tmp, lock
+        os.close(lock)      # a cleaner removed it between open and flock
+
+
+def _names_this_dir(path: Path, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _remove_dead_builds(root: Path) -> None:
+    """Delete the temp dirs of conversions killed midway (each can be as big as the model); a live
+    build holds its dir's flock, so its dir is skipped."""
+    for tmp in root.glob(f".*{BUILD_TAG}*"):
+        try:
+            lock = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue        # gone meanwhile, or not a directory
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(tmp, ignore_errors=True)
+        except BlockingIOError:
+            pass            # a live build
+        finally:
+            os.close(lock)
+
+
 def _write_json_atomic(file: Path, data: dict) -> None:
-    tmp = file.with_name(f".{file.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, file)
+    write_atomic(file, json.dumps(data, indent=2, ensure_ascii=False))
 
 
 # ---- conversion --------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from engine.loading.tokenizer import byte_alphabet
+
 # llama.cpp token_type values
 CONTROL, USER_DEFINED = 3, 4
 
@@ -34,19 +36,6 @@ _STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>")
 
 class GGUFTokenizerError(ValueError):
     """The tokenizer metadata cannot be turned into a tokenizer; the message names the key and value."""
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            mapping[byte] = chr(byte)
-        else:
-            mapping[byte] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def _pre_tokenizer(pre: str):
@@ -73,7 +62,7 @@ def build_tokenizer(meta: dict) -> Tokenizer:
     if not tokens or merges is None:
         raise GGUFTokenizerError("tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     spelled = set(alphabet.values())
     # A token outside the byte alphabet (a literal space, say) is stored as text: spell its bytes.
     vocab = {tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode("utf-8")): i

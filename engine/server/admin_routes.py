@@ -1,4 +1,7 @@
-"""Operator routes: /health, /props, the live request table (list, cancel) and /metrics."""
+"""Operator routes: /health, /props, the live request table (list, cancel) and /metrics.
+
+The request table shows every client's requests and cancels any of them, so it is the operator's:
+with `server.admin_key` set it takes that key, without one it answers only this machine (loopback)."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,14 +10,27 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from engine.server.engine_host import EngineHost
-from engine.server.errors import APIError
+from engine.server.errors import APIError, given_key, key_matches
 from engine.server.metrics import CONTENT_TYPE
 
 router = APIRouter()
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def _host(request: Request) -> EngineHost:
     return request.app.state.host
+
+
+def require_operator(request: Request) -> None:
+    """403 unless the caller holds the admin key, or (no admin key set) calls from this machine."""
+    key = _host(request).server_cfg.admin_key
+    if key:
+        if not key_matches(given_key(dict(request.scope["headers"])), key):
+            raise APIError(403, "the request table is the operator's: send the admin key as "
+                                "`Authorization: Bearer <admin_key>` (server.admin_key)", code="admin_only")
+    elif request.client is None or request.client.host not in LOOPBACK:
+        raise APIError(403, "the request table answers only this machine (loopback) while no admin key "
+                            "is set; set server.admin_key to open it to other hosts", code="admin_only")
 
 
 @router.get("/health")
@@ -40,6 +56,7 @@ async def props(request: Request):
 
 @router.get("/v1/requests")
 async def list_requests(request: Request):
+    require_operator(request)
     host = _host(request)
     s = host.require_client(admitting=False).stats()
     rows = [{"id": r.id, "client": r.client, "state": r.state, "prompt_tokens": r.prompt_tokens,
@@ -62,6 +79,7 @@ async def list_requests(request: Request):
 
 @router.delete("/v1/requests/{request_id}")
 async def cancel_request(request_id: str, request: Request):
+    require_operator(request)
     host = _host(request)
     if not host.cancel(request_id):
         raise APIError(404, f"no live request {request_id!r} (GET /v1/requests lists them)",

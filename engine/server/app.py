@@ -3,7 +3,7 @@ engine's lifetime (loaded on a thread at startup, closed at shutdown)."""
 from __future__ import annotations
 
 import contextlib
-import hmac
+import re
 from typing import Callable
 
 from fastapi import FastAPI
@@ -14,18 +14,43 @@ from engine.config import EngineConfig, ServerConfig
 from engine.server import anthropic_routes, fim_routes, openai_routes, responses_routes
 from engine.server.admin_routes import router as admin_router
 from engine.server.engine_host import EngineHost
-from engine.server.errors import APIError, install_error_handlers
+from engine.server.errors import APIError, given_key, install_error_handlers, key_matches
 
 OPEN_PATHS = ("/health",)
+_SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]")
+_ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.S)
+
+
+def lone_surrogate(body: bytes) -> str | None:
+    """The first \\uD800-\\uDFFF escape in a JSON body that is not half of a surrogate pair, or None.
+    Such a string is no Unicode: the tokenizer and the JSON encoder of any answer that echoes it
+    fail on it, so it is refused at the door. Escapes are read in order, so an escaped backslash
+    before "ud800" is not mistaken for one."""
+    if not _SURROGATE_HINT.search(body):
+        return None
+    high = None                     # (where it ends, its code) while a high half waits for its low one
+    for m in _ESCAPE.finditer(body):
+        code = int(m.group(1), 16) if m.group(1) else -1
+        if high is not None:
+            if 0xDC00 <= code <= 0xDFFF and m.start() == high[0]:
+                high = None
+                continue
+            return f"\\u{high[1]:04x}"
+        if 0xD800 <= code <= 0xDBFF:
+            high = (m.end(), code)
+        elif 0xDC00 <= code <= 0xDFFF:
+            return f"\\u{code:04x}"
+    return None if high is None else f"\\u{high[1]:04x}"
 
 
 class Guard:
     """Pure ASGI (streams pass through untouched): the API key on every route but /health, and
     the body size limit, checked before the body reaches JSON parsing."""
 
-    def __init__(self, app: ASGIApp, api_key: str, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, api_key: str, max_body_bytes: int, admin_key: str = ""):
         self.app = app
         self.api_key = api_key
+        self.admin_key = admin_key          # the operator's key opens every route too
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -41,6 +66,18 @@ class Guard:
             return await APIError(413, f"request body is over server.max_body_bytes = "
                                        f"{self.max_body_bytes:,} bytes",
                                   code="body_too_large").response(path)(scope, receive, send)
+        try:    # JSON is UTF-8; a lenient decoder would let invalid bytes (a surrogate's, say) through
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return await APIError(400, f"request body is not valid UTF-8 (byte {e.start}: "
+                                       f"{body[e.start:e.start + 4]!r}); send JSON encoded as UTF-8",
+                                  code="invalid_json").response(path)(scope, receive, send)
+        surrogate = lone_surrogate(body)
+        if surrogate:
+            return await APIError(400, f"request body holds a lone UTF-16 surrogate ({surrogate}) in a "
+                                       "string; strings must be valid Unicode (a high surrogate "
+                                       "\\ud800-\\udbff needs its low half right after it)",
+                                  code="invalid_value").response(path)(scope, receive, send)
         replayed = False
 
         async def replay() -> Message:
@@ -52,11 +89,8 @@ class Guard:
         await self.app(scope, replay, send)
 
     def _authorized(self, scope: Scope) -> bool:
-        """`Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's)."""
-        headers = dict(scope["headers"])
-        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else headers.get(b"x-api-key", b"").strip()
-        return bool(given) and hmac.compare_digest(given, self.api_key.encode())
+        given = given_key(dict(scope["headers"]))
+        return key_matches(given, self.api_key) or key_matches(given, self.admin_key)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, bool]:
         declared = dict(scope["headers"]).get(b"content-length", b"")
@@ -94,7 +128,8 @@ def create_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, *,
     for routes in (openai_routes, anthropic_routes, responses_routes, fim_routes):
         app.include_router(routes.router)
     app.include_router(admin_router)
-    app.add_middleware(Guard, api_key=server_cfg.api_key, max_body_bytes=server_cfg.max_body_bytes)
+    app.add_middleware(Guard, api_key=server_cfg.api_key, max_body_bytes=server_cfg.max_body_bytes,
+                       admin_key=server_cfg.admin_key)
     if server_cfg.allowed_origins:  # outside the Guard: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(server_cfg.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"], expose_headers=["*"])

@@ -61,8 +61,9 @@ async def prepare_chat(host: EngineHost, messages: list[dict], tools: ToolReques
     if clash:
         raise APIError(400, f"chat_template_kwargs may not set {clash[0]!r}: the request's own field "
                             "sets it", param="chat_template_kwargs", code="invalid_value")
-    try:
-        text = tokenizer.apply_chat_template(messages, tools=list(tools.tools) if tools else None, **extra)
+    try:   # templating and tokenizing a long conversation take a while: off the event loop
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages,
+                                       tools=list(tools.tools) if tools else None, **extra)
     except Exception as e:  # noqa: BLE001 - the template's own refusal, for the client
         raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
     text += prefill
@@ -78,4 +79,4 @@ async def prepare_chat(host: EngineHost, messages: list[dict], tools: ToolReques
         if reasoning:   # the reasoning stays free; the grammar holds the answer after it
             grammar = Grammar(grammar.kind, grammar.source, reasoning)
         await compile_grammar(host, grammar, param)
-    return Chat(tokenizer.encode(text), grammar, reasoning, tools, tool_format)
+    return Chat(await asyncio.to_thread(tokenizer.encode, text), grammar, reasoning, tools, tool_format)

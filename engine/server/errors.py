@@ -7,12 +7,15 @@ surfaces as a 500, and nothing about the engine's state changes because of it.
 """
 from __future__ import annotations
 
+import hmac
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
           503: "service_unavailable"}
 ANTHROPIC_PATHS = ("/v1/messages",)
@@ -46,6 +49,17 @@ class APIError(Exception):
         return JSONResponse(self.anthropic_body() if anthropic else self.body(), status_code=self.status)
 
 
+def given_key(headers: dict[bytes, bytes]) -> bytes:
+    """The key a request carries: `Authorization: Bearer <key>` (OpenAI's clients) or
+    `x-api-key: <key>` (Anthropic's); b"" if none."""
+    scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" else headers.get(b"x-api-key", b"").strip()
+
+
+def key_matches(given: bytes, key: str) -> bool:
+    return bool(key) and bool(given) and hmac.compare_digest(given, key.encode())
+
+
 def _field(loc) -> str | None:
     # loc is ("body", "messages", 0, "content"); OpenAI names the param as a dotted path
     parts = [str(p) for p in loc if p != "body"]
@@ -73,7 +87,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response(request.url.path)
+        detail = str(exc.detail)
+        if detail == "There was an error parsing the body":   # FastAPI's words for a JSON that breaks its parser
+            detail = ("request body could not be parsed as JSON: it is not JSON, or nested more deeply than "
+                      "a JSON parser follows (keep it under a few hundred levels)")
+        return APIError(exc.status_code, detail).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:

@@ -3,6 +3,7 @@ request with llama.cpp's field names, its answer and stream format; the prompt c
 engine/server/fim.py and runs through the engine like any completion, prefix cache included."""
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -125,9 +126,9 @@ async def infill(body: InfillRequest, request: Request):
     body.check_fields()
     fim = require_fim(host, "input_suffix")
     extra = [FileChunk(c.filename, c.text) for c in body.input_extra]
-    ids = fim_prompt(client.tokenizer, fim, body.input_prefix + body.prompt, body.input_suffix, extra=extra,
-                     filename=body.filename, repo_name=body.repo_name,
-                     budget=host.info.max_model_len - (body._limit() or 1))
+    ids = await asyncio.to_thread(fim_prompt, client.tokenizer, fim, body.input_prefix + body.prompt,
+                                  body.input_suffix, extra=extra, filename=body.filename,
+                                  repo_name=body.repo_name, budget=host.info.max_model_len - (body._limit() or 1))
     requested = body.output_grammar()
     if requested:
         await compile_grammar(host, *requested)

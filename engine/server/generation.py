@@ -82,6 +82,10 @@ class Generation:
         if delta.finish_reason is FinishReason.CANCELLED and self._shed:
             return APIError(503, "the server is shutting down; the request was not started",
                             code="shutting_down")
+        if delta.finish_reason is FinishReason.CANCELLED:     # the operator's DELETE /v1/requests/{id}
+            return APIError(503, f"the request was cancelled on the server after {delta.completion_tokens} "
+                                 f"generated tokens{': ' + delta.error if delta.error else ''}",
+                            code="cancelled")
         if delta.finish_reason is FinishReason.ERROR:
             return APIError(500, f"the engine failed this request: {delta.error}",
                             type="server_error", code="engine_error")
@@ -138,5 +142,6 @@ async def answer(request, host: EngineHost, fmt, completion_id: str, handles: li
     if stream:
         return EventStream(generation.events(include_usage), on_close=lambda: host.release(completion_id),
                            send_timeout_s=host.engine_cfg.client_timeout_s,
-                           keepalive_s=host.server_cfg.sse_keepalive_s, keepalive=fmt.KEEPALIVE)
+                           keepalive_s=host.server_cfg.sse_keepalive_s, keepalive=fmt.KEEPALIVE,
+                           open_streams=host.metrics.open_streams)
     return JSONResponse(await generation.whole(request.receive))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.stats import SchedulerStats
@@ -71,6 +71,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.finished = Counter("pagedserve:request_finished", "Finished requests by reason.",
                                 ["finished_reason"], registry=self.registry)
+        self.open_streams = Gauge("pagedserve:http_streams_open", "Streamed (SSE) answers being served.",
+                                  registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -66,8 +66,9 @@ class ChatFormat(_Format):
             return None
 
         def item(token_id: int, logprob: float) -> dict:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            # the token's own bytes: a token that ends inside a character has no text of its own
+            return {"token": self._token_text(token_id), "logprob": logprob,
+                    "bytes": list(self._tokenizer.token_bytes(token_id))}
         return {"content": [item(t, lp) | {"top_logprobs": [item(i, v) for i, v in top]}
                             for t, lp, top in entries]}
 
@@ -137,7 +138,12 @@ def _whole_calls(deltas: list[ToolCallDelta]) -> list[dict]:
 class TextFormat(_Format):
     CHUNK = "text_completion"
 
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._offsets: dict[int, int] = {}      # each choice's text_offset so far in a stream
+
     def logprobs(self, entries: list[tuple], offset: int = 0) -> dict | None:
+        """`text_offset` counts from `offset`: a stream's chunks go on where the last one ended."""
         if not entries:
             return None
         tokens = [self._token_text(t) for t, _, _ in entries]
@@ -149,11 +155,17 @@ class TextFormat(_Format):
                 "top_logprobs": [{self._token_text(i): v for i, v in top} for _, _, top in entries],
                 "text_offset": offsets}
 
+    def _streamed_logprobs(self, index: int, entries: list[tuple]) -> dict | None:
+        logprobs = self.logprobs(entries, self._offsets.get(index, 0))
+        if logprobs is not None:
+            self._offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        return logprobs
+
     def role_chunks(self) -> list[dict]:
         return []
 
     def chunk(self, index: int, delta: Delta) -> dict | None:
-        logprobs = self.logprobs(delta.logprobs) if self.want_logprobs else None
+        logprobs = self._streamed_logprobs(index, delta.logprobs) if self.want_logprobs else None
         if not delta.text and delta.finish_reason is None and logprobs is None:
             return None
         return self._envelope(self.CHUNK, [{"index": index, "text": delta.text, "logprobs": logprobs,

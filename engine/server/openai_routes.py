@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes: chat and text completions, models, tokenize and detokenize."""
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from fastapi import APIRouter, Request
@@ -54,12 +55,12 @@ async def completions(body: CompletionRequest, request: Request):
                                 "from the text before and after the cursor; send prompt as text, or token ids "
                                 "without suffix", param="suffix", code="invalid_value")
         fim = require_fim(host, "suffix")
-        ids = fim_prompt(client.tokenizer, fim, prompt, body.suffix)
+        ids = await asyncio.to_thread(fim_prompt, client.tokenizer, fim, prompt, body.suffix)
     elif isinstance(prompt, list):
         host.check_token_ids(prompt, "prompt")
         ids = prompt
-    else:
-        ids = client.tokenizer.encode(prompt)
+    else:   # a long prompt tokenizes for a while: off the event loop
+        ids = await asyncio.to_thread(client.tokenizer.encode, prompt)
     requested = body.output_grammar()
     grammar = requested[0] if requested else None
     if requested:
@@ -93,11 +94,11 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if body.messages is not None:
         messages = [m.for_template(f"messages.{i}") for i, m in enumerate(body.messages)]
         try:
-            ids = tokenizer.chat_ids(messages)
+            ids = await asyncio.to_thread(tokenizer.chat_ids, messages)
         except Exception as e:  # noqa: BLE001 - the template's own refusal, for the client
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
     else:
-        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": host.info.max_model_len}
 
 

@@ -176,6 +176,8 @@ class SamplingBody(BaseModel):
 
     # OpenAI fields this server knows and does not implement: a 400 naming them, never a silent drop
     UNSUPPORTED: ClassVar[dict[str, str]] = {}
+    # SamplingParams' names as this request spells them
+    PARAM_NAMES: ClassVar[dict[str, str]] = {}
 
     def check_fields(self) -> None:
         for name, why in self.UNSUPPORTED.items():
@@ -263,7 +265,8 @@ class SamplingBody(BaseModel):
             return SamplingParams(**given, stop=tuple(stop), ignore_eos=self.ignore_eos,
                                   logprobs=self._top_logprobs(), logit_bias=bias, grammar=grammar)
         except SamplingError as e:
-            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+            param = self.PARAM_NAMES.get(e.param, e.param)
+            raise APIError(400, str(e).replace(e.param, param, 1), param=param, code="invalid_value") from None
 
 
 class ChatCompletionRequest(SamplingBody):
@@ -282,6 +285,7 @@ class ChatCompletionRequest(SamplingBody):
     functions: Any = None
     function_call: Any = None
 
+    PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
     UNSUPPORTED: ClassVar[dict[str, str]] = {"audio": "this server answers in text only",
                    "prediction": "predicted outputs are not implemented",
                    "web_search_options": "this server has no web search",

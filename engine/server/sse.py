@@ -5,6 +5,10 @@ slow socket stops the producer, the engine's buffer grows and the engine pauses 
 the sender (with `: keep-alive` comments while nothing is ready, and a timeout on each write so a
 stalled client is dropped), and the disconnect watcher (a closed connection ends everything at
 once). Whatever ends the stream, `on_close` runs, which cancels the request if it is still live.
+
+The sender also stops on a flag, not on cancellation alone: Python 3.11's `asyncio.wait_for` can
+swallow a cancel that lands as its inner wait completes, and a sender that missed it went on
+sending keep-alives to a gone client until the server's shutdown cancelled it by force.
 """
 from __future__ import annotations
 
@@ -19,10 +23,15 @@ _QUEUE_EVENTS = 4       # more would hide a slow reader from the engine's pause 
 _DONE = object()
 
 
+# JSON may carry these raw, but clients that split lines like str.splitlines (httpx's iter_lines)
+# end an SSE line at them and then cannot parse either half: escaped, the JSON means the same
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse_event(payload: dict | str, event: str | None = None) -> bytes:
     """One server-sent event: `data:` the JSON payload (or text), after `event:` if named."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
-                                                               separators=(",", ":"))
+                                                               separators=(",", ":")).translate(_LINE_BREAKS)
     named = f"event: {event}\n" if event else ""
     return f"{named}data: {data}\n\n".encode()
 
@@ -35,7 +44,7 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 class EventStream(Response):
     def __init__(self, events: AsyncIterator[bytes], *, on_close: Callable[[], None],
-                 send_timeout_s: float, keepalive_s: float, keepalive: bytes):
+                 send_timeout_s: float, keepalive_s: float, keepalive: bytes, open_streams=None):
         # no Response.__init__: it would announce content-length 0 for a body it does not know
         self.status_code = 200
         self.background = None
@@ -46,9 +55,11 @@ class EventStream(Response):
         self._send_timeout_s = send_timeout_s
         self._keepalive_s = keepalive_s     # short, so clients and proxies with read timeouts see
         self._keepalive = keepalive         # life while queued
+        self._open_streams = open_streams   # a gauge (inc/dec) of the streams being served, or None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         queue: asyncio.Queue = asyncio.Queue(maxsize=_QUEUE_EVENTS)
+        closing = asyncio.Event()
 
         async def produce() -> None:
             try:
@@ -63,7 +74,7 @@ class EventStream(Response):
         async def deliver() -> None:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            while True:
+            while not closing.is_set():
                 try:
                     event = await asyncio.wait_for(queue.get(), self._keepalive_s)
                 except TimeoutError:
@@ -76,12 +87,17 @@ class EventStream(Response):
 
         tasks = [asyncio.create_task(produce()), asyncio.create_task(deliver()),
                  asyncio.create_task(wait_for_disconnect(receive))]
+        if self._open_streams is not None:
+            self._open_streams.inc()
         try:
             # the sender finishing, failing (client gone, write timed out) or a disconnect ends it
             await asyncio.wait(tasks[1:], return_when=asyncio.FIRST_COMPLETED)
         finally:
+            closing.set()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._events.aclose()
             self._on_close()
+            if self._open_streams is not None:
+                self._open_streams.dec()
