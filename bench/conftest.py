@@ -26,6 +26,9 @@ def pytest_addoption(parser):
                     help="random checkpoint to measure: 0.6b (Qwen3-0.6B shapes) or mini (4 layers)")
     group.addoption("--bench-new-tokens", type=int, default=128,
                     help="new tokens per request in the serving load runs (fewer for quick runs)")
+    group.addoption("--step-baseline", default="",
+                    help="test_step_overhead.py: a checkout (e.g. a git worktree of an older commit) "
+                         "measured alternately with this one")
     group.addoption("--bench-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                     help="dtype of ours and of the transformers baseline; auto = the engine's choice "
                          "(bfloat16 where the CPU has fast bf16, else float32)")

@@ -354,7 +354,7 @@ def serve(ctx: click.Context, **_keys: Any) -> None:
     ctx.obj.require()  # a broken config file fails before torch is loaded
     engine_cfg = cfg.EngineConfig(**section_values(ctx, cfg.EngineConfig))
     server_cfg = cfg.ServerConfig(**section_values(ctx, cfg.ServerConfig))
-    from engine.server import serve as run_server
+    from server import serve as run_server
     ctx.exit(run_server(engine_cfg, server_cfg))
 
 

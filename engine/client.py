@@ -74,8 +74,8 @@ class EngineClient:
         self._loop.cancel(request_id)
 
     def stats(self) -> SchedulerStats:
-        """The snapshot published after the latest step."""
-        return self._loop.stats
+        """A snapshot taken between two steps (it waits for the current step to end)."""
+        return self._loop.stats()
 
     def info(self) -> EngineInfo:
         e = self.engine

@@ -1,7 +1,11 @@
-"""The contracts between the scheduler and a sequence engine (DESIGN.md). No torch here.
+"""The contracts between the scheduler and a sequence engine (docs/architecture.md). No torch here.
 
 The scheduler builds a StepPlan, the engine answers it with a StepResult of the same number;
 `check_result` is the single place that decides whether a result may be applied to its plan.
+Plans are deltas: a request's first row after admission carries its whole block table (`fresh`),
+later rows only the blocks appended since; the engine keeps the rest (engine/plan_ledger.py).
+Everything the engine does to its state happens inside a numbered plan: forgotten requests and
+state-slot operations come first, then the rows.
 """
 from __future__ import annotations
 
@@ -30,8 +34,14 @@ class EngineLimits:
     max_model_len: int
     max_prefill_rows: int
     max_prefill_tokens_per_row: int
-    max_prefill_tokens_total: int
+    max_prefill_tokens_total: int   # prefill tokens in a step without decode rows
     prefill_quantum: int
+    mixed_prefill_tokens_total: int | None = None   # ... and in one with decode rows (None: the same)
+
+    def prefill_tokens_total(self, decode_rows: int) -> int:
+        if decode_rows and self.mixed_prefill_tokens_total is not None:
+            return self.mixed_prefill_tokens_total
+        return self.max_prefill_tokens_total
 
 
 @dataclass(frozen=True)
@@ -40,13 +50,17 @@ class PlanRow:
     kind: RowKind
     token_ids: tuple[int, ...]      # exact tokens to feed, positions start_pos, start_pos+1, ...
     start_pos: int
-    block_table: tuple[int, ...]    # covers at least start_pos + len(token_ids) positions
+    new_blocks: tuple[int, ...]     # block ids appended to the request's table for this row; with
+                                    # the earlier ones they cover start_pos + len(token_ids) positions
     state_slot: int | None          # recurrent-state slot (hybrid models), else None
     sample: bool                    # sample a token after the last fed token
-    sampling: SamplingParams | None = None
+    sampling: SamplingParams | None = None   # the request's params (set on every row)
+    fresh: bool = False             # first row since admission: new_blocks is the whole table and
+                                    # start_pos the cached prefix; the engine starts a new record
     sample_index: int = 0           # tokens this request generated so far: seeds this draw
-    history: tuple[int, ...] = ()   # prompt + output so far; filled only when penalties are on
-    num_prompt_tokens: int = 0      # how much of `history` is prompt (repetition vs presence)
+    num_prompt_tokens: int = 0      # positions below this are prompt (repetition vs presence)
+    cached_token_ids: tuple[int, ...] = ()  # fresh rows of penalised requests: the tokens before
+                                            # start_pos (a cached prefix), counted, never fed
     banned_token_ids: tuple[int, ...] = ()  # masked for this draw (EOS/stop ids before min_tokens)
     allowed: bytes | None = None    # the request's grammar: bit i of the little-endian 32-bit
                                     # words set = token i may be drawn (None: every token may)
@@ -57,9 +71,19 @@ class PlanRow:
 
 
 @dataclass(frozen=True)
+class StateOp:
+    """A recurrent-state slot operation, run before the plan's rows: reset `dst`, or copy `src`
+    into `dst` (prefix-cache checkpoints of hybrid models)."""
+    dst: int
+    src: int | None = None          # None: reset
+
+
+@dataclass(frozen=True)
 class StepPlan:
     step: int
     rows: tuple[PlanRow, ...]
+    forget: tuple[str, ...] = ()            # requests retired or preempted since the last plan
+    state_ops: tuple[StateOp, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,12 +103,8 @@ class StepResult:
 
 
 class SeqEngine(Protocol):
-    def limits(self, decode_rows: int) -> EngineLimits: ...
+    def limits(self) -> EngineLimits: ...
     def execute(self, plan: StepPlan) -> StepResult: ...
-    def reset_state(self, slot: int) -> None: ...
-    # copy every linear-attention layer's conv and SSM state from one slot to another (prefix
-    # cache checkpoints of hybrid models); never called when num_state_slots is 0
-    def copy_state(self, src_slot: int, dst_slot: int) -> None: ...
 
 
 def check_plan(plan: StepPlan, running_decoders: set[str] | frozenset[str] = frozenset()) -> None:
@@ -101,6 +121,8 @@ def check_plan(plan: StepPlan, running_decoders: set[str] | frozenset[str] = fro
                                 f"{len(row.token_ids)} tokens")
         if row.sample and row.sampling is None:
             raise ContractError(f"step {plan.step}: row {row.request_id} samples without params")
+        if row.request_id in plan.forget and not row.fresh:
+            raise ContractError(f"step {plan.step}: row {row.request_id} is forgotten but not fresh")
     decoders = {r.request_id for r in plan.rows if r.kind is RowKind.DECODE}
     missing = set(running_decoders) - decoders
     if missing:

@@ -3,3 +3,11 @@
 
 class UserError(Exception):
     """Bad config, model, request or input; the message says what is wrong and how to fix it."""
+
+
+class RequestRejected(UserError, ValueError):
+    """The request can never run here (empty, too long for the context or the K/V pool)."""
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting; retry later."""

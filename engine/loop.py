@@ -7,6 +7,7 @@ that falls `max_lag_tokens` behind pauses only its own request, one that reads n
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -18,6 +19,7 @@ from engine.detokenize import IncrementalDetokenizer
 from engine.grammar import GrammarCompiler, GrammarError
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import Scheduler
+from engine.stats import SchedulerStats
 
 # A burst of requests that reaches an idle engine over a few milliseconds (a server's handlers parse
 # and tokenize one request after another) must be planned together: an idle step grants far more
@@ -176,7 +178,7 @@ class EngineLoop:
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self.stats = scheduler.stats()
+        self._stepper: int | None = None       # ident of the thread inside run(), if any
 
     # -- client API (any thread)
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
@@ -208,6 +210,16 @@ class EngineLoop:
         self._commands.put(("cancel", request_id, None))
         self.wake()
 
+    def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
+        """The scheduler's statistics, computed when asked (a step only bumps counters): by the
+        stepping thread between two steps when one runs, so the snapshot is consistent."""
+        if self._stepper is None or self._stepper == threading.get_ident():
+            return self.scheduler.stats()
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("stats", reply, None))
+        self.wake()
+        return reply.result(timeout_s)
+
     def wake(self) -> None:
         """Make an idle `run` look at its commands, readers and `until` again now."""
         self._wakeup.set()
@@ -221,6 +233,8 @@ class EngineLoop:
                 return
             if kind == "submit":
                 self._admit(*arg, handle)
+            elif kind == "stats":
+                arg.set_result(self.scheduler.stats())
             elif kind == "cancel" and arg in self._live:
                 self.scheduler.cancel(arg)
                 self._finish(arg, Delta(finish_reason=FinishReason.CANCELLED))
@@ -294,9 +308,8 @@ class EngineLoop:
             return False
         events = self.scheduler.step()
         self._apply(events)
-        self.stats = self.scheduler.stats()
         # only paused requests left: nothing ran, so the thread should wait for a reader
-        return bool(events) or self.stats.running > 0
+        return bool(events) or self.scheduler.num_active > 0
 
     def run_until_idle(self) -> None:
         while self.run_once() or not self._commands.empty():
@@ -315,6 +328,14 @@ class EngineLoop:
         second pool alive every decode step was ~25 % slower on a 2-core CPU (0.6B, fp32: ~95 ms a
         step alone, 120-130 ms with a pool left on the main thread; likely libgomp's shorter spin
         once it manages more threads than there are CPUs)."""
+        self._stepper = threading.get_ident()
+        try:
+            self._run(until)
+        finally:
+            self._stepper = None
+            self._drain_commands()
+
+    def _run(self, until: threading.Event) -> None:
         while not until.is_set():
             if not self._live and not self._commands.empty():
                 self._gather_burst(until)
@@ -322,7 +343,6 @@ class EngineLoop:
                 # idle: sleep until a command arrives or a reader drains (paused requests resume)
                 self._wakeup.wait(timeout=0.05 if self._live else 1.0)
                 self._wakeup.clear()
-        self._drain_commands()
 
     def _gather_burst(self, until: threading.Event) -> None:
         """Idle loop, commands waiting: wait for the rest of a burst (see ADMIT_WINDOW_S)."""

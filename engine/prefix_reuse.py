@@ -3,11 +3,12 @@
 Full blocks are indexed as soon as their K/V is computed; an admitted request takes the longest
 cached run of its blocks and starts after it. Hybrid models also need the recurrent state there: the
 state at a request's last full-block boundary is copied into a spare slot (a checkpoint) after the
-step that computed it, and a hit resumes from the latest checkpoint within the cached run.
+step that computed it, and a hit resumes from the latest checkpoint within the cached run. Slot
+resets and copies are queued as StateOps for the next plan, which the engine runs before its rows.
 """
 from __future__ import annotations
 
-from engine.contracts import EngineLimits, PlanRow, SeqEngine
+from engine.contracts import EngineLimits, PlanRow, StateOp
 from engine.kv.prefix_cache import BlockChain, PrefixCache, StateSlots
 from engine.request import Request
 
@@ -15,8 +16,8 @@ from engine.request import Request
 class PrefixReuse:
     """Which cached blocks (and checkpoint) a request starts from, and what it leaves behind."""
 
-    def __init__(self, engine: SeqEngine, limits: EngineLimits, enabled: bool) -> None:
-        self.engine = engine
+    def __init__(self, limits: EngineLimits, enabled: bool) -> None:
+        self._ops: list[StateOp] = []
         self.block_size = limits.block_size
         self.has_state = bool(limits.num_state_slots)
         self.cache = PrefixCache(limits.block_size) if enabled else None
@@ -52,13 +53,13 @@ class PrefixReuse:
         """A state slot for an admitted request: reset, or holding the restored checkpoint."""
         if restore is None:
             slot = self.slots.acquire()
-            self.engine.reset_state(slot)
+            self._ops.append(StateOp(slot))
             return slot
         self.checkpoint_hits += 1
         slot = self.slots.acquire(keep=restore)
         if slot is None:        # the checkpoint holds the only spare slot: resume in it
             return self.slots.adopt(restore)
-        self.engine.copy_state(self.slots.use(restore), slot)
+        self._ops.append(StateOp(slot, self.slots.use(restore)))
         return slot
 
     def _checkpoint_due(self, req: Request) -> int:
@@ -92,8 +93,13 @@ class PrefixReuse:
             return
         slot = self.slots.acquire()
         if slot is not None:
-            self.engine.copy_state(req.state_slot, slot)
+            self._ops.append(StateOp(slot, req.state_slot))
             self.slots.add(hashes[done // bs - 1], slot)
+
+    def take_ops(self) -> tuple[StateOp, ...]:
+        """The slot operations queued since the last plan, in order."""
+        ops, self._ops = tuple(self._ops), []
+        return ops
 
     def released(self, req: Request) -> None:
         """The request gave back its blocks (finish or preemption): nothing more to index."""

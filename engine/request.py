@@ -133,14 +133,34 @@ class Request:
         self.prompt_token_ids = tuple(int(t) for t in self.prompt_token_ids)
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
         self.max_tokens = self.max_tokens or self.params.max_tokens
+        # appended to as tokens and blocks come, never rebuilt: a step's work stays independent
+        # of how long the request has run
+        self._all_ids = list(self.prompt_token_ids) + self.output_token_ids
+        self._block_ids = [h.block_id for h in self.blocks]
+        self.sent_blocks: int | None = None   # block ids the engine holds; None: it holds no record
 
     @property
-    def all_token_ids(self) -> tuple[int, ...]:
-        return self.prompt_token_ids + tuple(self.output_token_ids)
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output (read-only: append_output adds to it)."""
+        return self._all_ids
+
+    def append_output(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self._all_ids.append(token)
 
     @property
-    def block_ids(self) -> tuple[int, ...]:
-        return tuple(h.block_id for h in self.blocks)
+    def block_ids(self) -> list[int]:
+        """Block ids in position order (read-only: add_blocks / take_blocks change them)."""
+        return self._block_ids
+
+    def add_blocks(self, handles) -> None:
+        self.blocks.extend(handles)
+        self._block_ids.extend(h.block_id for h in handles)
+
+    def take_blocks(self) -> list:
+        """Remove and return every block handle."""
+        handles, self.blocks, self._block_ids = self.blocks, [], []
+        return handles
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

@@ -1,14 +1,21 @@
-"""The SeqEngine for our torch models: StepPlan -> flat batch tensors -> one forward -> StepResult."""
+"""The SeqEngine for our torch models: StepPlan -> flat batch tensors -> one forward -> StepResult.
+
+The batch persists between steps: each live request owns a row of a preallocated block-table buffer
+(engine/plan_ledger.py assigns it), written only where a plan appends blocks, and a penalised request
+keeps running token counts instead of shipping its history. Per-step host work grows with the rows
+and tokens of the step, not with how long the requests have run.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from engine.contracts import EngineLimits, PlanRow, RowOutput, StepPlan, StepResult
+from engine.contracts import EngineLimits, PlanRow, RowOutput, StateOp, StepPlan, StepResult
 from engine.debug_hooks import check_step
 from engine.models.batch import ForwardBatch
-from engine.sampling import sample
+from engine.plan_ledger import PlanLedger, RowRecord
+from engine.sampling import TokenCounts, sample
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,12 @@ class ModelRunner:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        self.ledger = PlanLedger(max_rows)
+        bs = pool.shape.block_size
+        # on the device: a step sends only the block ids its plan appends
+        self._tables = torch.zeros((max_rows, -(-max_model_len // bs) + 1), dtype=torch.int32,
+                                   device=self.device)
+        self._counts: dict[str, TokenCounts] = {}     # penalised requests' token counts
 
     @staticmethod
     def _compile(model, fullgraph: bool):
@@ -69,27 +82,28 @@ class ModelRunner:
             hidden = forward(batch, *external) if slots is None else forward(batch, *external, slots)
         return hidden
 
-    def limits(self, decode_rows: int) -> EngineLimits:
-        total = self.budget.mixed_total if decode_rows else self.budget.idle_total
+    def limits(self) -> EngineLimits:
+        idle = self.budget.idle_total
         return EngineLimits(
             max_rows=self.max_rows, block_size=self.pool.shape.block_size,
             num_blocks=self.pool.num_blocks, num_state_slots=self.state_pool.num_slots if self.state_pool else 0,
             max_model_len=self.max_model_len,
-            max_prefill_rows=self.max_rows, max_prefill_tokens_per_row=total,
-            max_prefill_tokens_total=total, prefill_quantum=min(self.budget.quantum, total))
+            max_prefill_rows=self.max_rows, max_prefill_tokens_per_row=idle,
+            max_prefill_tokens_total=idle, prefill_quantum=min(self.budget.quantum, idle),
+            mixed_prefill_tokens_total=self.budget.mixed_total)
 
-    def reset_state(self, slot: int) -> None:
-        """Zero a recurrent-state slot before a request uses it (attention-only models keep none)."""
-        if self.state_pool is not None:
-            self.state_pool.reset(slot)
-
-    def copy_state(self, src_slot: int, dst_slot: int) -> None:
-        """Copy one slot's recurrent state into another (prefix-cache checkpoints)."""
+    def _state_op(self, op: StateOp) -> None:
+        """Zero a recurrent-state slot before a request uses it, or copy every linear-attention
+        layer's conv and SSM state from one slot to another (prefix-cache checkpoints)."""
         if self.state_pool is None:
-            raise ValueError("this model keeps no recurrent state: there are no state slots to copy")
-        self.state_pool.copy(src_slot, dst_slot)
+            raise ValueError("this model keeps no recurrent state: a plan named state slot "
+                             f"{op.dst}")
+        if op.src is None:
+            self.state_pool.reset(op.dst)
+        else:
+            self.state_pool.copy(op.src, op.dst)
 
-    def _row_error(self, row: PlanRow) -> str | None:
+    def _row_error(self, row: PlanRow, rec: RowRecord) -> str | None:
         vocab = self.model.cfg.vocab_size
         bad = [t for t in row.token_ids if not 0 <= t < vocab]
         if bad:
@@ -98,47 +112,79 @@ class ModelRunner:
             return f"logit_bias names token id {row.sampling.logit_bias[-1][0]}, outside the vocabulary (0..{vocab - 1})"
         if row.end_pos > self.max_model_len:
             return f"position {row.end_pos} is past max_model_len {self.max_model_len}"
-        if len(row.block_table) * self.pool.shape.block_size < row.end_pos:
-            return f"block table covers {len(row.block_table)} blocks, too few for {row.end_pos} tokens"
+        if len(rec.block_table) * self.pool.shape.block_size < row.end_pos:
+            return f"block table covers {len(rec.block_table)} blocks, too few for {row.end_pos} tokens"
         return None
 
-    def _batch(self, rows: list[PlanRow]) -> ForwardBatch:
+    def _update(self, plan: StepPlan, records: list[RowRecord]) -> None:
+        """Write the plan's appended block ids into the persistent tables; fresh rows restart
+        their token counts."""
+        for row, rec in zip(plan.rows, records):
+            if row.fresh:
+                self._counts.pop(row.request_id, None)
+            if row.new_blocks:
+                end = len(rec.block_table)
+                self._tables[rec.index, end - len(row.new_blocks):end] = torch.tensor(
+                    row.new_blocks, dtype=torch.int32).to(self.device)
+
+    def _count(self, row: PlanRow) -> TokenCounts:
+        """A penalised row's counts, with this row's fed tokens added (the same tokens as the
+        prompt + output so far at its draw)."""
+        counts = self._counts.get(row.request_id)
+        if counts is None:
+            counts = self._counts[row.request_id] = TokenCounts.zeros(self.model.cfg.vocab_size, self.device)
+        if row.cached_token_ids:
+            counts.add(row.cached_token_ids, row.num_prompt_tokens)
+        counts.add(row.token_ids, max(0, row.num_prompt_tokens - row.start_pos))
+        return counts
+
+    def _batch(self, rows: list[PlanRow], records: list[RowRecord]) -> ForwardBatch:
         dev, bs = self.device, self.pool.shape.block_size
         lens = torch.tensor([len(r.token_ids) for r in rows], dtype=torch.int64)
         starts = torch.tensor([r.start_pos for r in rows], dtype=torch.int64)
-        width = max(len(r.block_table) for r in rows)
-        tables = torch.zeros((len(rows), width), dtype=torch.int32)
-        for i, r in enumerate(rows):
-            tables[i, :len(r.block_table)] = torch.tensor(r.block_table, dtype=torch.int32)
         row_of = torch.repeat_interleave(torch.arange(len(rows)), lens)
         qsl = torch.zeros(len(rows) + 1, dtype=torch.int64)
         qsl[1:] = lens.cumsum(0)
         positions = starts[row_of] + torch.arange(int(qsl[-1])) - qsl[:-1][row_of]
-        slots = tables[row_of, positions // bs].long() * bs + positions % bs
         sampling = [i for i, r in enumerate(rows) if r.sample]
         ids = [t for r in rows for t in r.token_ids]
+        width = -(-max(r.end_pos for r in rows) // bs)
+        index = torch.tensor([rec.index for rec in records], dtype=torch.int64).to(dev)
+        tables = self._tables[:, :width].index_select(0, index)
+        positions, row_of = positions.to(dev), row_of.to(dev)
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=positions.to(dev), slot_mapping=slots.to(dev),
-            block_tables=tables.to(dev), query_start_loc=qsl.to(torch.int32).to(dev),
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev), positions=positions,
+            slot_mapping=tables[row_of, positions // bs].long() * bs + positions % bs,
+            block_tables=tables, query_start_loc=qsl.to(torch.int32).to(dev),
             context_lens=(starts + lens).to(torch.int32).to(dev),
             logits_indices=(qsl[1:][sampling] - 1).to(dev))
 
     def execute(self, plan: StepPlan) -> StepResult:
-        errors = {r.request_id: self._row_error(r) for r in plan.rows}
-        rows = [r for r in plan.rows if errors[r.request_id] is None]
+        closed, records = self.ledger.begin(plan)      # a broken delta raises ContractError
+        for rec in closed:
+            self._counts.pop(rec.request_id, None)
+        self._update(plan, records)
+        errors = {r.request_id: self._row_error(r, rec) for r, rec in zip(plan.rows, records)}
+        ok = [(r, rec) for r, rec in zip(plan.rows, records) if errors[r.request_id] is None]
         sampled = {}
-        if rows:
-            try:
-                check_step(plan.step)     # debug hook: raises in the steps PAGEDSERVE_DEBUG_FAIL_STEPS lists
-                with torch.inference_mode():
-                    hidden = self._forward(self._batch(rows), rows)
+        try:
+            check_step(plan.step)     # debug hook: raises in the steps PAGEDSERVE_DEBUG_FAIL_STEPS lists
+            with torch.inference_mode():
+                for op in plan.state_ops:
+                    self._state_op(op)
+                if ok:
+                    rows = [r for r, _ in ok]
+                    counts = {r.request_id: self._count(r) for r in rows if r.sampling.penalized}
+                    hidden = self._forward(self._batch(rows, [rec for _, rec in ok]), rows)
                     sampling_rows = [r for r in rows if r.sample]
                     if sampling_rows:
-                        picks = sample(self.model.logits(hidden), sampling_rows, self.generator)
+                        picks = sample(self.model.logits(hidden), sampling_rows, self.generator,
+                                       [counts.get(r.request_id) for r in sampling_rows])
                         sampled = {r.request_id: p for r, p in zip(sampling_rows, picks)}
-            except Exception as e:  # noqa: BLE001 - a step failure is reported, the engine lives on
-                return StepResult(plan.step, error=f"{type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - a step failure is reported, the engine lives on
+            return StepResult(plan.step, error=f"{type(e).__name__}: {e}")
+        finally:
+            self.ledger.commit(plan, records)
         outputs = []
         for r in plan.rows:
             if errors[r.request_id]:

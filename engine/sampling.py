@@ -6,6 +6,8 @@ not depend on what else is in the batch, nor on a preemption that recomputes it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -14,17 +16,36 @@ from engine.contracts import PlanRow
 _MASK64 = (1 << 63) - 1
 
 
-def _apply_penalties(logits: torch.Tensor, row: PlanRow) -> None:
+@dataclass
+class TokenCounts:
+    """How often each token id occurs in a request's prompt + output (`seen`) and in its output
+    alone: the penalties' inputs, kept up to date as tokens are fed instead of recounted."""
+    seen: torch.Tensor      # int32 [vocab]
+    output: torch.Tensor    # int32 [vocab]
+
+    @classmethod
+    def zeros(cls, vocab: int, device: torch.device) -> "TokenCounts":
+        return cls(torch.zeros(vocab, dtype=torch.int32, device=device),
+                   torch.zeros(vocab, dtype=torch.int32, device=device))
+
+    def add(self, token_ids, prompt_tokens: int) -> None:
+        """Count fed tokens, the first `prompt_tokens` of which are prompt."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.seen.device)
+        ones = torch.ones(len(token_ids), dtype=torch.int32, device=self.seen.device)
+        self.seen.index_add_(0, ids, ones)
+        if prompt_tokens < len(token_ids):
+            self.output.index_add_(0, ids[prompt_tokens:], ones[prompt_tokens:])
+
+
+def _apply_penalties(logits: torch.Tensor, row: PlanRow, counts: TokenCounts) -> None:
     p = row.sampling
-    hist = torch.tensor(row.history, dtype=torch.long, device=logits.device)
-    if p.repetition_penalty != 1.0 and hist.numel():
-        seen = hist.unique()
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    out = hist[row.num_prompt_tokens:]
-    if out.numel() and (p.presence_penalty or p.frequency_penalty):
-        counts = torch.bincount(out, minlength=logits.numel()).to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = counts.seen > 0
+        penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits.copy_(torch.where(seen, penalised, logits))
+    if p.presence_penalty or p.frequency_penalty:
+        out = counts.output.to(logits.dtype)
+        logits -= p.frequency_penalty * out + p.presence_penalty * (out > 0).to(logits.dtype)
 
 
 def allowed_tokens(mask: bytes, vocab: int, device: torch.device) -> torch.Tensor:
@@ -33,12 +54,12 @@ def allowed_tokens(mask: bytes, vocab: int, device: torch.device) -> torch.Tenso
     return torch.from_numpy(bits).to(device=device, dtype=torch.bool)
 
 
-def _shape(logits: torch.Tensor, row: PlanRow) -> None:
+def _shape(logits: torch.Tensor, row: PlanRow, counts: TokenCounts | None) -> None:
     """In place on one row: penalties, logit bias, the grammar's mask, then the bans, which give
     way where they would leave nothing to draw (a complete grammar allows only EOS)."""
     p = row.sampling
     if p.penalized:
-        _apply_penalties(logits, row)
+        _apply_penalties(logits, row, counts)
     if p.logit_bias:
         ids, bias = zip(*p.logit_bias)
         logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
@@ -78,14 +99,17 @@ def _draw(probs: torch.Tensor, row: PlanRow, generator: torch.Generator | None) 
     return int((probs / noise).argmax())
 
 
-def sample(logits: torch.Tensor, rows: list[PlanRow], generator: torch.Generator | None = None):
-    """logits: fp32 `[len(rows), vocab]`, changed in place. Returns one (token, logprob,
-    top_logprobs) per row; logprobs are the model's own, before penalties, bias and masks."""
+def sample(logits: torch.Tensor, rows: list[PlanRow], generator: torch.Generator | None = None,
+           counts: list[TokenCounts | None] | None = None):
+    """logits: fp32 `[len(rows), vocab]`, changed in place; `counts`: each penalised row's token
+    counts. Returns one (token, logprob, top_logprobs) per row; logprobs are the model's own,
+    before penalties, bias and masks."""
     want_logprobs = any(r.sampling.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    counts = counts or [None] * len(rows)
     for i, row in enumerate(rows):      # rows that draw from the model's logits as they are skip this
         if row.sampling.shaped or row.banned_token_ids or row.allowed is not None:
-            _shape(logits[i], row)
+            _shape(logits[i], row, counts[i])
     greedy = [i for i, r in enumerate(rows) if r.sampling.greedy]
     tokens: list[int] = [0] * len(rows)
     if greedy:

@@ -13,20 +13,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.contracts import (ContractError, EngineLimits, PlanRow, RowKind, RowOutput, SeqEngine,
-                              StepPlan, StepResult, check_plan, check_result)
+from engine.contracts import (ContractError, PlanRow, RowKind, RowOutput, SeqEngine, StepPlan,
+                              StepResult, check_plan, check_result)
 from engine.kv.allocator import BlockAllocator, BlockHandle, Reservation
 from engine.prefix_reuse import PrefixReuse
 from engine.request import FinishReason, Request, RequestState
-from engine.errors import UserError
+from engine.errors import QueueFull, RequestRejected
 from engine.stats import RequestRow, SchedulerStats, StatsRecorder, percentile
 
-class RequestRejected(UserError, ValueError):
-    """The request can never run here (empty, too long for the context or the K/V pool)."""
-
-
-class QueueFull(RuntimeError):
-    """Too many requests are waiting; retry later."""
+__all__ = ["Event", "QueueFull", "RequestRejected", "Scheduler"]
 
 
 @dataclass(frozen=True)
@@ -46,8 +41,8 @@ class Scheduler:
     def __init__(self, engine: SeqEngine, *, max_waiting: int | None = None,
                  clock: Callable[[], float] = time.monotonic, prefix_cache: bool = True) -> None:
         self.engine = engine
-        self._limits = lim = engine.limits(0)   # the static fields; capacities are asked per step
-        self._prefix = PrefixReuse(engine, lim, prefix_cache)
+        self._limits = lim = engine.limits()
+        self._prefix = PrefixReuse(lim, prefix_cache)
         self._allocator = BlockAllocator(lim.num_blocks, self._prefix.cache)
         self._max_waiting = max_waiting
         self._clock = clock
@@ -60,6 +55,7 @@ class Scheduler:
         self._planned: dict[str, Request] = {}
         self._next_step = 0
         self._pending: list[Event] = []
+        self._forget: list[str] = []        # released since the last plan, held by the engine
         self._preemptions = 0
         self._recorder = StatsRecorder(clock)
 
@@ -132,6 +128,11 @@ class Scheduler:
         """Live requests, or final events of cancel/finish that step() has yet to hand out."""
         return bool(self._live or self._pending)
 
+    @property
+    def num_active(self) -> int:
+        """Admitted requests that are not paused: they get rows in the next plan."""
+        return sum(r.state is not RequestState.PAUSED for r in self._running)
+
     def get(self, request_id: str) -> Request | None:
         """A live request (waiting or admitted); None once finished."""
         return self._live.get(request_id)
@@ -179,14 +180,15 @@ class Scheduler:
             raise ContractError(f"plan {self._outstanding.step} is outstanding; apply its result first")
         decoders = self._grow_decoders()
         self._admit()
-        limits = self.engine.limits(decode_rows=len(decoders))
-        row_cap = min(limits.max_prefill_rows, limits.max_rows - len(decoders))
-        grants = self._grant_prefill(limits, row_cap)
+        lim = self._limits
+        row_cap = min(lim.max_prefill_rows, lim.max_rows - len(decoders))
+        grants = self._grant_prefill(lim.prefill_tokens_total(len(decoders)), row_cap)
         rows = [self._row(r, RowKind.DECODE, 1) for r in decoders]
         rows += [self._row(self._live[rid], RowKind.PREFILL, n) for rid, n in grants.items()]
         if not rows:
             return None
-        plan = StepPlan(self._next_step, tuple(rows))
+        plan = StepPlan(self._next_step, tuple(rows), tuple(self._forget), self._prefix.take_ops())
+        self._forget = []
         check_plan(plan, {r.id for r in self._running if r.state is RequestState.DECODE})
         self._next_step += 1
         self._outstanding = plan
@@ -234,7 +236,7 @@ class Scheduler:
         else:   # a gap that includes a recompute after preemption is what the client saw
             self._recorder.itl.append(now - req.last_token_time)
         req.last_token_time = now
-        req.output_token_ids.append(out.token)
+        req.append_output(out.token)
         if req.state is RequestState.PREFILL:
             self._rotation.remove(req.id)
             req.state = RequestState.PAUSED if req.pause_requested else RequestState.DECODE
@@ -279,8 +281,10 @@ class Scheduler:
         self._running.remove(req)
         if req.id in self._rotation:
             self._rotation.remove(req.id)
-        self._allocator.free(reversed(req.blocks))  # a prefix's tail goes idle first, so is evicted first
-        req.blocks = []
+        self._allocator.free(reversed(req.take_blocks()))  # a prefix's tail goes idle first, so is evicted first
+        if req.sent_blocks is not None:
+            self._forget.append(req.id)
+            req.sent_blocks = None
         self._reservations.pop(req.id).release()
         self._prefix.released(req)
         if req.state_slot is not None:
@@ -320,7 +324,7 @@ class Scheduler:
                     if victim is req:
                         break
                 else:
-                    req.blocks.append(handle)
+                    req.add_blocks((handle,))
             if req.state is RequestState.DECODE:
                 decoders.append(req)
         return decoders
@@ -342,7 +346,7 @@ class Scheduler:
             if need + self._prefix.idle_blocks(hit) > self._allocator.num_free:
                 return
             self._waiting.remove(req)
-            req.blocks = [self._allocator.share(b) for b in hit]
+            req.add_blocks([self._allocator.share(b) for b in hit])
             req.num_computed_tokens = len(hit) * lim.block_size
             self._reservations[req.id] = self._allocator.reserve(need)
             if lim.num_state_slots:
@@ -359,11 +363,11 @@ class Scheduler:
         return (req is not None and self._prefix.cache is not None
                 and req.state in (RequestState.WAITING, RequestState.PREFILL))
 
-    def _grant_prefill(self, limits: EngineLimits, row_cap: int) -> dict[str, int]:
-        """Round-robin quanta over prefillers in rotation order, repeated while capacity remains;
-        those served move to the back of the rotation so the others go first next step."""
+    def _grant_prefill(self, budget: int, row_cap: int) -> dict[str, int]:
+        """Round-robin quanta over prefillers in rotation order, repeated while `budget` tokens
+        remain; those served move to the back of the rotation so the others go first next step."""
         grants: dict[str, int] = {}
-        budget, quantum = limits.max_prefill_tokens_total, max(1, limits.prefill_quantum)
+        limits, quantum = self._limits, max(1, self._limits.prefill_quantum)
         progress = True
         while progress and budget > 0:
             progress = False
@@ -384,16 +388,19 @@ class Scheduler:
     def _row(self, req: Request, kind: RowKind, count: int) -> PlanRow:
         all_ids, start = req.all_token_ids, req.num_computed_tokens
         end = start + count
-        while len(req.blocks) < self._blocks_for(end):  # prefill: its reservation covers the prompt
-            req.blocks.append(self._reservations[req.id].take())
+        need = self._blocks_for(end)
+        if len(req.blocks) < need:      # prefill: its reservation covers the prompt
+            req.add_blocks([self._reservations[req.id].take() for _ in range(need - len(req.blocks))])
+        fresh, sent = req.sent_blocks is None, req.sent_blocks or 0
+        req.sent_blocks = len(req.block_ids)
         sample = end == len(all_ids)
         params = req.params
         return PlanRow(
-            request_id=req.id, kind=kind, token_ids=all_ids[start:end], start_pos=start,
-            block_table=req.block_ids, state_slot=req.state_slot, sample=sample,
-            sampling=params if sample else None, sample_index=len(req.output_token_ids),
-            history=all_ids if sample and params.penalized else (),
+            request_id=req.id, kind=kind, token_ids=tuple(all_ids[start:end]), start_pos=start,
+            new_blocks=tuple(req.block_ids[sent:]), state_slot=req.state_slot, sample=sample,
+            sampling=params, fresh=fresh, sample_index=len(req.output_token_ids),
             num_prompt_tokens=len(req.prompt_token_ids),
+            cached_token_ids=tuple(all_ids[:start]) if fresh and params.penalized else (),
             banned_token_ids=(req.stop_token_ids
                               if sample and len(req.output_token_ids) < params.min_tokens else ()),
             allowed=req.matcher.mask() if sample and req.matcher is not None else None)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from engine.contracts import EngineLimits, RowOutput, StepPlan, StepResult
+from engine.plan_ledger import PlanLedger
 from engine.request import Request, SamplingParams
 from engine.scheduler import Event, Scheduler
 
@@ -59,22 +60,21 @@ class FakeEngine:
     error_on_steps: set[int] = field(default_factory=set)
     tamper: Callable[[StepPlan, StepResult], StepResult] | None = None  # a contract-breaking engine
     plans: list[StepPlan] = field(default_factory=list)
-    limit_calls: list[int] = field(default_factory=list)
+    # each executed plan's rows' whole block tables as the engine held them (rows carry only new blocks)
+    tables: list[dict[str, tuple[int, ...]]] = field(default_factory=list)
     resets: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._kv: dict[tuple[int, int], tuple[int, bytes]] = {}    # (block, offset) -> (token, digest)
         self._slots: dict[int, _SlotState] = {}
+        self.ledger = PlanLedger(self.max_rows)
 
-    def limits(self, decode_rows: int) -> EngineLimits:
-        self.limit_calls.append(decode_rows)
-        total = self.max_prefill_tokens_total
-        if decode_rows and self.mixed_prefill_tokens_total is not None:
-            total = self.mixed_prefill_tokens_total
+    def limits(self) -> EngineLimits:
         return EngineLimits(self.max_rows, self.block_size, self.num_blocks, self.num_state_slots,
                             self.max_model_len, self.max_prefill_rows,
-                            self.max_prefill_tokens_per_row, total, self.prefill_quantum)
+                            self.max_prefill_tokens_per_row, self.max_prefill_tokens_total,
+                            self.prefill_quantum, self.mixed_prefill_tokens_total)
 
     def reset_state(self, slot: int) -> None:
         assert 0 <= slot < self.num_state_slots, f"slot {slot} out of range"
@@ -91,20 +91,28 @@ class FakeEngine:
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        _, records = self.ledger.begin(plan)
+        self.tables.append({r.request_id: tuple(rec.block_table) for r, rec in zip(plan.rows, records)})
+        for op in plan.state_ops:
+            if op.src is None:
+                self.reset_state(op.dst)
+            else:
+                self.copy_state(op.src, op.dst)
+        self.ledger.commit(plan, records)
         if plan.step in self.raise_on_steps:
             raise RuntimeError(f"injected failure in step {plan.step}")
         if plan.step in self.error_on_steps:
             return StepResult(plan.step, error=f"injected step error {plan.step}")
-        outs = tuple(self._run_row(row) for row in plan.rows)
+        outs = tuple(self._run_row(row, rec.block_table) for row, rec in zip(plan.rows, records))
         result = StepResult(plan.step, outs)
         return self.tamper(plan, result) if self.tamper else result
 
-    def _run_row(self, row) -> RowOutput:
+    def _run_row(self, row, block_table: list[int]) -> RowOutput:
         if row.request_id in self.fail_rows:
             self.fail_rows.discard(row.request_id)
             return RowOutput(row.request_id, error=f"injected row error for {row.request_id}")
         bs = self.block_size
-        assert len(row.block_table) * bs >= row.end_pos, f"{row.request_id}: block table too short"
+        assert len(block_table) * bs >= row.end_pos, f"{row.request_id}: block table too short"
         state = None
         if row.state_slot is not None:
             slot = self._slots.get(row.state_slot)
@@ -117,11 +125,11 @@ class FakeEngine:
             slot.position, slot.user, state = row.end_pos, row.request_id, slot.digest
         for i, tok in enumerate(row.token_ids):
             pos = row.start_pos + i
-            prefix = self._kv[(row.block_table[(pos - 1) // bs], (pos - 1) % bs)][1] if pos else b""
-            self._kv[(row.block_table[pos // bs], pos % bs)] = (tok, fold(prefix, tok))
+            prefix = self._kv[(block_table[(pos - 1) // bs], (pos - 1) % bs)][1] if pos else b""
+            self._kv[(block_table[pos // bs], pos % bs)] = (tok, fold(prefix, tok))
         if not row.sample:
             return RowOutput(row.request_id)
-        context = self._kv[(row.block_table[(row.end_pos - 1) // bs], (row.end_pos - 1) % bs)][1]
+        context = self._kv[(block_table[(row.end_pos - 1) // bs], (row.end_pos - 1) % bs)][1]
         # a correct state folds the same tokens as the K/V chain; any other state changes the token
         stray = b"" if state in (None, context) else b"stray" + state
         token = self.forced.get((row.request_id, row.sample_index),

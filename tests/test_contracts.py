@@ -11,7 +11,7 @@ PARAMS = SamplingParams(temperature=0)
 
 
 def row(rid: str, kind=RowKind.DECODE, tokens=(5,), sample=True) -> PlanRow:
-    return PlanRow(rid, kind, tuple(tokens), 0, (0,), None, sample, PARAMS if sample else None)
+    return PlanRow(rid, kind, tuple(tokens), 0, (0,), None, sample, PARAMS if sample else None, fresh=True)
 
 
 PLAN = StepPlan(7, (row("a"), row("b", RowKind.PREFILL, (1, 2, 3), sample=False)))

@@ -15,7 +15,7 @@ import pytest
 from server_process import ServerProcess
 
 from engine.loading.tokenizer import load_tokenizer
-from engine.server.fim import FileChunk, fim_prompt, find_fim_tokens
+from server.fim import FileChunk, fim_prompt, find_fim_tokens
 
 FIM = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 TINY = dict(tied=False, heads=8, kv_heads=2, head_dim=32, max_pos=2048)

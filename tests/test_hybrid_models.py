@@ -109,7 +109,7 @@ def test_slot_freed_by_cancel_and_reused_matches_fresh_engine(hybrid_checkpoint)
     make = dict(model=str(path), dtype="float32", max_model_len=128, kv_pool_tokens=1024, max_concurrency=1,
                 state_spare_slots=0)
     llm = LLM(**make)
-    assert llm.engine.runner.limits(0).num_state_slots == 1
+    assert llm.engine.runner.limits().num_state_slots == 1
     loop = llm.engine.loop
     first = loop.submit(llm.tokenizer.encode("Continuous batching lets new requests join"),
                         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), bounded=False)

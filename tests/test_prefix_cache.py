@@ -28,15 +28,14 @@ def test_a_follow_up_starts_after_the_cached_blocks_of_the_first_turn():
     a = make_request("a", 10, max_tokens=5)
     sched.add(a)
     drain(sched)
-    a_table = first_row(engine, "a").block_table
+    a_table = [t["a"] for t in engine.tables if "a" in t][-1]     # its table at its last step
     # turn 2: prompt + reply + 3 new tokens = 18 tokens; the first 14 are computed K/V (the last
     # reply token was never fed), so 3 full blocks (12 tokens) are cached
-    follow = Request("b", a.all_token_ids + (5, 6, 7), SamplingParams(max_tokens=4))
+    follow = Request("b", tuple(a.all_token_ids) + (5, 6, 7), SamplingParams(max_tokens=4))
     sched.add(follow)
     events = drain(sched)
     row = first_row(engine, "b")
-    assert row.start_pos == 12 and row.block_table[:3] == a_table[:2] + row.block_table[2:3]
-    assert row.block_table[:2] == a_table[:2]
+    assert row.start_pos == 12 and row.fresh and row.new_blocks[:3] == a_table[:3]
     assert tokens(events["b"]) == run_alone("b", follow.prompt_token_ids, 4, block_size=4)
     st_ = sched.stats()
     assert (st_.prefix_cache_query_tokens, st_.prefix_cache_hit_tokens) == (10 + 18, 12)
@@ -61,8 +60,8 @@ def test_two_requests_share_blocks_and_reference_counts_follow():
     sched.add(make_request("b", 9, max_tokens=6))
     sched.add(make_request("c", 10, max_tokens=6))
     sched.step()
-    shared = first_row(engine, "b").block_table[:2]
-    assert first_row(engine, "c").block_table[:2] == shared
+    shared = first_row(engine, "b").new_blocks[:2]
+    assert first_row(engine, "c").new_blocks[:2] == shared
     assert [sched._allocator.refcount(b) for b in shared] == [2, 2]
     drain(sched)
     assert [sched._allocator.refcount(b) for b in shared] == [0, 0]
@@ -108,14 +107,17 @@ def test_hybrid_prefill_stops_at_the_due_boundary_and_a_follow_up_resumes_there(
     drain(sched)
     prefill = [(r.start_pos, r.end_pos) for p in engine.plans for r in p.rows if r.kind.value == "prefill"]
     assert prefill == [(0, 8), (8, 10)], "the chunk ends at 8 so the state there can be kept"
-    # checkpoints at 8 (prompt) and at 12 (reached while decoding)
-    assert len(engine.copies) == 2 and sched.stats().checkpoints == 2
-    follow = Request("b", a.all_token_ids + (5, 6), SamplingParams(max_tokens=4))
+    # checkpoints at 8 (prompt) and at 12 (reached while decoding); the copy at 12 was queued by
+    # the last step, so it runs first in the next plan
+    assert len(engine.copies) == 1 and sched.stats().checkpoints == 2
+    follow = Request("b", tuple(a.all_token_ids) + (5, 6), SamplingParams(max_tokens=4))
     sched.add(follow)
     events = drain(sched)
     row = first_row(engine, "b")
-    restore = engine.copies[2]
-    assert row.start_pos == 12 and restore[1] == row.state_slot
+    save, restore = engine.copies[1:3]
+    assert row.start_pos == 12 and restore[1] == row.state_slot and restore[0] == save[1]
+    b_plan = next(p for p in engine.plans if any(r.request_id == "b" for r in p.rows))
+    assert [(op.src, op.dst) for op in b_plan.state_ops] == [save, restore], "saved, then restored"
     assert tokens(events["b"]) == run_alone("b", follow.prompt_token_ids, 4, block_size=4,
                                             num_state_slots=1)
     assert sched.stats().checkpoint_hits_total == 1 and sched.stats().slots_used == 0
@@ -186,7 +188,8 @@ def test_random_workloads_share_blocks_safely_and_keep_outputs(cfg, ops):
     def checked_execute(plan):
         try:
             for row in plan.rows:
-                for block in {row.block_table[p // bs] for p in range(row.start_pos, row.end_pos)}:
+                table = sched.get(row.request_id).block_ids     # what the engine will hold
+                for block in {table[p // bs] for p in range(row.start_pos, row.end_pos)}:
                     assert alloc.refcount(block) == 1, f"{row.request_id} writes shared block {block}"
                     assert not alloc.cache.is_cached(block), f"{row.request_id} writes cached block {block}"
             return execute(plan)
@@ -199,7 +202,7 @@ def test_random_workloads_share_blocks_safely_and_keep_outputs(cfg, ops):
     for op, seed in ops:
         pick = added[seed % len(added)] if added else None
         if op in ("add", "follow"):
-            base = pick.all_token_ids if op == "follow" and pick else make_request("", 1 + seed % 12,
+            base = tuple(pick.all_token_ids) if op == "follow" and pick else make_request("", 1 + seed % 12,
                                                                                  seed=seed % 3).prompt_token_ids
             ids = base + tuple(range(1, 1 + seed % 5))
             req = Request(f"r{len(added)}", ids[:40], SamplingParams(max_tokens=1 + seed % 6))
@@ -242,8 +245,8 @@ def test_choices_of_one_completion_wait_for_the_first_and_share_its_prompt_block
         if len(running) == 3:
             shared.append([sched._allocator.refcount(b) for b in running["c-1"].block_ids[:4]])
     first = {rid: first_row(engine, rid) for rid in ("c-1", "c-2")}
-    table = [r for p in engine.plans for r in p.rows if r.request_id == "c"][-1].block_table
-    assert all(first[r].start_pos == 16 and first[r].block_table[:4] == table[:4] for r in first)
+    table = [t["c"] for t in engine.tables if "c" in t][-1]
+    assert all(first[r].start_pos == 16 and first[r].new_blocks[:4] == table[:4] for r in first)
     # no follower ran before the first choice's prompt was computed
     plans = [{row.request_id for row in p.rows} for p in engine.plans]
     done = next(k for k, p in enumerate(engine.plans)

@@ -15,9 +15,9 @@ import pytest
 
 from engine.loop import Delta
 from engine.request import FinishReason
-from engine.server.chat_output import ChatOutput
-from engine.server.errors import APIError
-from engine.server.responses_format import ResponsesFormat
+from server.chat_output import ChatOutput
+from server.errors import APIError
+from server.responses_format import ResponsesFormat
 
 from chat_templates import HERMES, XML_THINKING, chat_server, tag_id
 

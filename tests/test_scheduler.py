@@ -153,7 +153,6 @@ def test_decoder_emits_every_step_while_a_long_prompt_prefills():
         assert len(got) == 1, "the decoder got a token in this step"
         steps += 1
     assert steps == 1000 // 32 + 1
-    assert engine.limit_calls[-1] == 1, "limits asked with the number of decode rows"
     assert all(sum(len(r.token_ids) for r in p.rows if r.kind is RowKind.PREFILL) <= 32
                for p in engine.plans[1:]), "mixed steps get the smaller prefill capacity"
     drain(sched)
@@ -174,7 +173,8 @@ def test_decode_rows_and_prefill_chunks_share_a_plan():
     assert [(r.kind, r.start_pos, len(r.token_ids), r.sample) for r in b_rows] == [
         (RowKind.PREFILL, 0, 4, False), (RowKind.PREFILL, 4, 4, False), (RowKind.PREFILL, 8, 2, True),
         (RowKind.DECODE, 10, 1, True)]
-    assert all(len(r.block_table) * 4 >= r.end_pos for r in b_rows)
+    b_tables = [t["b"] for t in engine.tables if "b" in t]
+    assert all(len(t) * 4 >= r.end_pos for t, r in zip(b_tables, b_rows))
 
 
 # ---- 5. preemption -----------------------------------------------------------------------------------
@@ -247,17 +247,6 @@ def test_min_tokens_bans_eos_until_reached(honor_bans):
     assert bans[:3] == [(7, 8)] * 3 and bans[3] == ()
     assert len(tokens(events)) == 4 and events[-1].finished is FinishReason.STOP
     assert (7 in tokens(events)[:3]) is not honor_bans
-
-
-def test_history_only_for_penalized_sampling():
-    sched, engine, _ = make_scheduler()
-    sched.add(make_request("p", 3, max_tokens=2, repetition_penalty=1.3))
-    sched.add(make_request("q", 3, max_tokens=2))
-    drain(sched)
-    last = engine.plans[-1].rows
-    p, q = (next(r for r in last if r.request_id == x) for x in "pq")
-    assert p.history == make_request("p", 3).prompt_token_ids + p.token_ids and p.num_prompt_tokens == 3
-    assert q.history == () and p.sample_index == 1
 
 
 # ---- 7. pause, resume, cancel -------------------------------------------------------------------------

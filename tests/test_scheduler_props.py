@@ -37,7 +37,7 @@ def test_random_workloads_keep_the_invariants(cfg, ops, max_waiting):
         # what the scheduler promised at the moment the engine runs the plan
         check_plan(plan, {r.id for r in sched._running if r.state is RequestState.DECODE})
         assert len(plan.rows) <= cfg["max_rows"]
-        tables = [b for row in plan.rows for b in row.block_table]
+        tables = [b for row in plan.rows for b in sched.get(row.request_id).block_ids]
         assert len(tables) == len(set(tables)), "two rows share a block"
         return execute(plan)
 

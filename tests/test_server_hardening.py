@@ -71,8 +71,8 @@ def test_the_request_table_is_the_operators(server):
 def test_without_an_admin_key_the_table_answers_loopback_only():
     from types import SimpleNamespace
 
-    from engine.server.admin_routes import require_operator
-    from engine.server.errors import APIError
+    from server.admin_routes import require_operator
+    from server.errors import APIError
 
     def caller(ip: str):
         host = SimpleNamespace(server_cfg=SimpleNamespace(admin_key=""))

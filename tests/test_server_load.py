@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from engine.server.sse import EventStream
+from server.sse import EventStream
 from server_process import ServerProcess
 from test_server import TINY, metric
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from engine.server import reasoning, tool_parsers
-from engine.server.reasoning import ReasoningParser, reply_reasoning
-from engine.server.tool_parsers import PARSERS, HermesParser, Qwen3CoderParser
+from server import reasoning, tool_parsers
+from server.reasoning import ReasoningParser, reply_reasoning
+from server.tool_parsers import PARSERS, HermesParser, Qwen3CoderParser
 
 TAGS = ("<tool_call>", "</tool_call>", "<function=", "<parameter=", "<think>", "</think>")
 

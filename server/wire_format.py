@@ -1,5 +1,5 @@
 """The interface between one completion's deltas and an API's wire format (OpenAI chat or text
-completions, Anthropic messages, OpenAI responses, llama.cpp's infill): engine/server/generation.py
+completions, Anthropic messages, OpenAI responses, llama.cpp's infill): server/generation.py
 reads the engine, a WireFormat says what the client receives."""
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.grammar import Grammar, GrammarError
 from engine.request import SamplingError, SamplingParams
-from engine.server.errors import APIError
+from server.errors import APIError
 
 log = logging.getLogger("pagedserve.server")
 
@@ -316,7 +316,7 @@ class CompletionRequest(SamplingBody):
     prompt: str | list[int] | list[str]
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None       # fill in the middle (engine/server/fim.py)
+    suffix: str | None = None       # fill in the middle (server/fim.py)
     best_of: int | None = None
 
     def check_fields(self) -> None:

@@ -9,9 +9,9 @@ import threading
 from typing import Callable
 
 from engine.config import EngineConfig, ServerConfig
-from engine.server import reasoning, tool_parsers
-from engine.server.errors import APIError
-from engine.server.metrics import ServerMetrics
+from server import reasoning, tool_parsers
+from server.errors import APIError
+from server.metrics import ServerMetrics
 from engine.stats import SchedulerStats
 
 log = logging.getLogger("pagedserve.server")
@@ -109,7 +109,7 @@ class EngineHost:
 
     @property
     def tool_format(self) -> str | None:
-        """The tool-call format replies are parsed in (engine/server/tool_parsers.py), or None."""
+        """The tool-call format replies are parsed in (server/tool_parsers.py), or None."""
         return self._parser(self.server_cfg.tool_call_parser, tool_parsers.parser_for_template)
 
     @property
@@ -137,7 +137,7 @@ class EngineHost:
                            param=param, code="invalid_value")
 
     def choices(self, body, prompt_len: int, grammar=None) -> list:
-        """SamplingParams for each of a request body's choices (engine/server/schemas.py
+        """SamplingParams for each of a request body's choices (server/schemas.py
         SamplingBody): the model's defaults for fields left out, the rest of the context when no
         limit is set; seeded choices use seed + index, as the OpenAI docs ask."""
         info = self.info
@@ -155,7 +155,7 @@ class EngineHost:
         """One engine request per choice (params[i] for choice i); choices after the first start
         from the first's cached prompt blocks. Rejections are 400/503 naming `param`."""
         from engine.grammar import GrammarError
-        from engine.scheduler import QueueFull, RequestRejected
+        from engine.errors import QueueFull, RequestRejected
         engine = self.require_client()
         handles: list = []
         try:

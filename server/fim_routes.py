@@ -1,6 +1,6 @@
 """POST /infill as llama.cpp's server has it (what llama.vscode and other editor plugins call): the
 request with llama.cpp's field names, its answer and stream format; the prompt comes from
-engine/server/fim.py and runs through the engine like any completion, prefix cache included."""
+server/fim.py and runs through the engine like any completion, prefix cache included."""
 from __future__ import annotations
 
 import asyncio
@@ -12,15 +12,15 @@ from pydantic import BaseModel, Field, model_validator
 
 from engine.loop import Delta
 from engine.request import FinishReason
-from engine.server.chat import compile_grammar
-from engine.server.engine_host import EngineHost, client_label
-from engine.server.errors import APIError
-from engine.server.fim import (CURRENT_FILE, REPO_NAME, FileChunk, FimTokens, fim_prompt, find_fim_tokens,
+from server.chat import compile_grammar
+from server.engine_host import EngineHost, client_label
+from server.errors import APIError
+from server.fim import (CURRENT_FILE, REPO_NAME, FileChunk, FimTokens, fim_prompt, find_fim_tokens,
                                with_fim_stops)
-from engine.server.generation import answer
-from engine.server.schemas import Finite, SamplingBody, unsupported
-from engine.server.sse import sse_event
-from engine.server.wire_format import WireFormat
+from server.generation import answer
+from server.schemas import Finite, SamplingBody, unsupported
+from server.sse import sse_event
+from server.wire_format import WireFormat
 
 router = APIRouter()
 

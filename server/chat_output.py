@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.server.reasoning import ReasoningDelta, ReasoningParser
-from engine.server.tool_parsers import ParsedDelta, ToolCallDelta, ToolCallParser
+from server.reasoning import ReasoningDelta, ReasoningParser
+from server.tool_parsers import ParsedDelta, ToolCallDelta, ToolCallParser
 
 
 @dataclass

@@ -1,17 +1,19 @@
 """Operator routes: /health, /props, the live request table (list, cancel) and /metrics.
 
 The request table shows every client's requests and cancels any of them, so it is the operator's:
-with `server.admin_key` set it takes that key, without one it answers only this machine (loopback)."""
+with `server.admin_key` set it takes that key, without one it answers only this machine (loopback).
+Statistics are taken by the engine thread between two steps, so they are awaited on a worker thread."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from engine.server.engine_host import EngineHost
-from engine.server.errors import APIError, given_key, key_matches
-from engine.server.metrics import CONTENT_TYPE
+from server.engine_host import EngineHost
+from server.errors import APIError, given_key, key_matches
+from server.metrics import CONTENT_TYPE
 
 router = APIRouter()
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -46,7 +48,7 @@ async def health(request: Request):
 async def props(request: Request):
     host = _host(request)
     client = host.require_client(admitting=False)
-    s = client.stats()
+    s = await asyncio.to_thread(client.stats)
     prefix_cache = {"enabled": host.engine_cfg.prefix_cache, "hit_rate": s.prefix_cache_hit_rate,
                     "cached_blocks": s.cached_blocks, "evictions": s.cache_evictions_total,
                     "checkpoints": s.checkpoints, "checkpoint_hits": s.checkpoint_hits_total}
@@ -58,7 +60,7 @@ async def props(request: Request):
 async def list_requests(request: Request):
     require_operator(request)
     host = _host(request)
-    s = host.require_client(admitting=False).stats()
+    s = await asyncio.to_thread(host.require_client(admitting=False).stats)
     rows = [{"id": r.id, "client": r.client, "state": r.state, "prompt_tokens": r.prompt_tokens,
              "generated_tokens": r.generated_tokens, "blocks": r.blocks, "slot": r.slot,
              "tokens_per_s": r.tokens_per_s, "age_s": r.age_s} for r in s.requests]
@@ -81,7 +83,7 @@ async def list_requests(request: Request):
 async def cancel_request(request_id: str, request: Request):
     require_operator(request)
     host = _host(request)
-    if not host.cancel(request_id):
+    if not await asyncio.to_thread(host.cancel, request_id):
         raise APIError(404, f"no live request {request_id!r} (GET /v1/requests lists them)",
                        param="request_id", code="request_not_found")
     return {"id": request_id, "object": "request.cancelled"}
@@ -89,4 +91,4 @@ async def cancel_request(request_id: str, request: Request):
 
 @router.get("/metrics")
 async def metrics(request: Request):
-    return Response(_host(request).metrics.render(), media_type=CONTENT_TYPE)
+    return Response(await asyncio.to_thread(_host(request).metrics.render), media_type=CONTENT_TYPE)

@@ -6,15 +6,15 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from engine.server.chat import compile_grammar, prepare_chat
-from engine.server.engine_host import EngineHost, client_label
-from engine.server.errors import APIError
-from engine.server.fim import fim_prompt, with_fim_stops
-from engine.server.fim_routes import require_fim
-from engine.server.generation import answer
-from engine.server.openai_format import ChatFormat, TextFormat
-from engine.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from engine.server.tools import tool_request
+from server.chat import compile_grammar, prepare_chat
+from server.engine_host import EngineHost, client_label
+from server.errors import APIError
+from server.fim import fim_prompt, with_fim_stops
+from server.fim_routes import require_fim
+from server.generation import answer
+from server.openai_format import ChatFormat, TextFormat
+from server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.tools import tool_request
 
 router = APIRouter()
 

@@ -8,13 +8,13 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from engine.server.chat import Chat, prepare_chat
-from engine.server.engine_host import EngineHost, client_label
-from engine.server.errors import APIError
-from engine.server.generation import answer
-from engine.server.responses_format import ResponsesFormat
-from engine.server.responses_schemas import ResponsesRequest
-from engine.server.tools import ToolRequest, tool_request
+from server.chat import Chat, prepare_chat
+from server.engine_host import EngineHost, client_label
+from server.errors import APIError
+from server.generation import answer
+from server.responses_format import ResponsesFormat
+from server.responses_schemas import ResponsesRequest
+from server.tools import ToolRequest, tool_request
 
 router = APIRouter()
 _CHAT_TOOL_PARAM = re.compile(r"^tools\.(\d+)\.function\.")

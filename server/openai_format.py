@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from engine.loop import Delta
 from engine.request import FinishReason
-from engine.server.chat_output import ChatOutput
-from engine.server.sse import sse_event
-from engine.server.tool_parsers import ToolCallDelta
-from engine.server.wire_format import WireFormat
+from server.chat_output import ChatOutput
+from server.sse import sse_event
+from server.tool_parsers import ToolCallDelta
+from server.wire_format import WireFormat
 
 
 def finish_reason(reason: FinishReason | None) -> str | None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from engine.loop import Delta
 from engine.request import FinishReason
-from engine.server.anthropic_schemas import dumps_input
-from engine.server.chat_output import ChatOutput, ChatPiece
-from engine.server.sse import sse_event
-from engine.server.wire_format import WireFormat
+from server.anthropic_schemas import dumps_input
+from server.chat_output import ChatOutput, ChatPiece
+from server.sse import sse_event
+from server.wire_format import WireFormat
 
 
 def _event(payload: dict) -> bytes:

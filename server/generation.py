@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse
 
 from engine.loop import Delta
 from engine.request import FinishReason
-from engine.server.engine_host import EngineHost
-from engine.server.errors import APIError
-from engine.server.sse import EventStream, wait_for_disconnect
+from server.engine_host import EngineHost
+from server.errors import APIError
+from server.sse import EventStream, wait_for_disconnect
 
 
 class Generation:
@@ -22,7 +22,7 @@ class Generation:
         self.host = host
         self.id = completion_id
         self.handles = handles
-        self.fmt = fmt                  # engine/server/wire_format.py WireFormat
+        self.fmt = fmt                  # server/wire_format.py WireFormat
         self._arrival = time.monotonic()
         self._last_token: list[float | None] = [None] * len(handles)
         self._finished = [False] * len(handles)

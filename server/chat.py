@@ -7,12 +7,12 @@ import asyncio
 from dataclasses import dataclass
 
 from engine.grammar import Grammar, GrammarError
-from engine.server.chat_output import ChatOutput
-from engine.server.engine_host import EngineHost
-from engine.server.errors import APIError
-from engine.server.reasoning import ReasoningParser, reply_reasoning
-from engine.server.tool_parsers import PARSERS
-from engine.server.tools import ToolRequest, call_grammar, parameters_schema, renders_tools
+from server.chat_output import ChatOutput
+from server.engine_host import EngineHost
+from server.errors import APIError
+from server.reasoning import ReasoningParser, reply_reasoning
+from server.tool_parsers import PARSERS
+from server.tools import ToolRequest, call_grammar, parameters_schema, renders_tools
 
 _TEMPLATE_OWN = ("messages", "add_generation_prompt", "tools")
 

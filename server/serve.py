@@ -12,8 +12,8 @@ import time
 import uvicorn
 
 from engine.config import EngineConfig, ServerConfig
-from engine.server.app import create_app
-from engine.server.protocol import header_deadline_protocol
+from server.app import create_app
+from server.protocol import header_deadline_protocol
 
 SHUTDOWN_GRACE_S = 20.0     # running requests get this long to finish before they are cancelled
 log = logging.getLogger("pagedserve.server")

@@ -11,10 +11,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.config import EngineConfig, ServerConfig
-from engine.server import anthropic_routes, fim_routes, openai_routes, responses_routes
-from engine.server.admin_routes import router as admin_router
-from engine.server.engine_host import EngineHost
-from engine.server.errors import APIError, given_key, install_error_handlers, key_matches
+from server import anthropic_routes, fim_routes, openai_routes, responses_routes
+from server.admin_routes import router as admin_router
+from server.engine_host import EngineHost
+from server.errors import APIError, given_key, install_error_handlers, key_matches
 
 OPEN_PATHS = ("/health",)
 _SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]")

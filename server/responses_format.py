@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from engine.loop import Delta
 from engine.request import FinishReason
-from engine.server.chat_output import ChatOutput, ChatPiece
-from engine.server.sse import sse_event
-from engine.server.tool_parsers import ToolCallDelta
-from engine.server.wire_format import WireFormat
+from server.chat_output import ChatOutput, ChatPiece
+from server.sse import sse_event
+from server.tool_parsers import ToolCallDelta
+from server.wire_format import WireFormat
 
 _PREFIX = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
 _TEXT_EVENT = {"reasoning": "response.reasoning_text", "message": "response.output_text"}

@@ -1,18 +1,18 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens. The same chat core as
-the OpenAI routes (engine/server/chat.py: template, tools, grammars, reasoning); only the wire
-format differs. Errors on these routes take Anthropic's shape (engine/server/errors.py)."""
+the OpenAI routes (server/chat.py: template, tools, grammars, reasoning); only the wire
+format differs. Errors on these routes take Anthropic's shape (server/errors.py)."""
 from __future__ import annotations
 
 import uuid
 
 from fastapi import APIRouter, Request
 
-from engine.server.anthropic_format import MessageFormat
-from engine.server.anthropic_schemas import CountTokensRequest, MessagesRequest
-from engine.server.chat import Chat, prepare_chat
-from engine.server.engine_host import EngineHost, client_label
-from engine.server.generation import answer
-from engine.server.tools import tool_request
+from server.anthropic_format import MessageFormat
+from server.anthropic_schemas import CountTokensRequest, MessagesRequest
+from server.chat import Chat, prepare_chat
+from server.engine_host import EngineHost, client_label
+from server.generation import answer
+from server.tools import tool_request
 
 router = APIRouter()
 

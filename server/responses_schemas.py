@@ -8,8 +8,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from engine.request import SamplingParams
-from engine.server.errors import APIError
-from engine.server.schemas import (ChatMessage, FunctionCall, NamedFunction, NamedToolChoice, SamplingBody,
+from server.errors import APIError
+from server.schemas import (ChatMessage, FunctionCall, NamedFunction, NamedToolChoice, SamplingBody,
                                    ToolCall, unsupported)
 
 _STATELESS = ("this server is stateless and keeps no responses; send the whole conversation in "

@@ -1,6 +1,6 @@
 """Tools on the way in: which tools a request offers and must call, whether the model's chat template
 can show them, and the grammar that makes a reply a well-formed call (`tool_choice` required or a
-named function) in the model's own call format (engine/server/tool_parsers.py reads it back)."""
+named function) in the model's own call format (server/tool_parsers.py reads it back)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.grammar import JSON_OPTIONS, Grammar
-from engine.server.errors import APIError
+from server.errors import APIError
 
 _PROBE = "pagedserve_probe_tool"
 _rendering_cache: dict[str, bool] = {}

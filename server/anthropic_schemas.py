@@ -8,8 +8,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.grammar import Grammar
-from engine.server.errors import APIError
-from engine.server.schemas import Finite, NamedFunction, NamedToolChoice, SamplingBody, unsupported
+from server.errors import APIError
+from server.schemas import Finite, NamedFunction, NamedToolChoice, SamplingBody, unsupported
 
 
 class Block(BaseModel):
