@@ -86,9 +86,8 @@ class Engine:
 
     @property
     def weights(self) -> str:
-        """The linear weights' formats: the loader's count for dense models, else the dtype."""
-        linears = getattr(self.model, "linears", None)
-        return linears.describe() if linears is not None else str(self.dtype).removeprefix("torch.")
+        """The linear weights' formats, as the model's loader counted them."""
+        return self.model.linears.describe()
 
 
 def build_engine(cfg: EngineConfig, progress=None) -> Engine:
@@ -131,10 +130,8 @@ def _build(cfg: EngineConfig, progress) -> Engine:
         eos += (tokenizer.eos_token_id,)
     max_len = resolve_max_model_len(cfg, model_cfg)
     if model_cfg.is_hybrid:
-        if quantization in ("int8", "int4"):
-            raise ConfigError([f'quantization = "{quantization}" supports dense models (Qwen2/Qwen3/Llama); '
-                               f'{model_cfg.architecture} runs in dtype: use "auto" or "none"'])
-        model = HybridDecoder(model_cfg, ckpt, dtype, device)
+        model = HybridDecoder(model_cfg, ckpt, dtype, device,
+                              LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))
         kv_layers, state_shape = model.num_kv_layers, model.state_shape
     else:
         model = DenseDecoder(model_cfg, ckpt, dtype, device,

@@ -139,6 +139,18 @@ class FakeEngine:
         return RowOutput(row.request_id, token=token)
 
 
+def record_plans(engine) -> list[tuple[StepPlan, StepResult]]:
+    """Log every (plan, result) a real engine's runner executes from now on."""
+    log, execute = [], engine.runner.execute
+
+    def recording(plan):
+        result = execute(plan)
+        log.append((plan, result))
+        return result
+    engine.runner.execute = recording
+    return log
+
+
 def drop_last_row(plan: StepPlan, result: StepResult) -> StepResult:
     return replace(result, rows=result.rows[:-1])
 

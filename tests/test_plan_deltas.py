@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from fake_engine import drain, make_request, make_scheduler
+from fake_engine import drain, make_request, make_scheduler, record_plans
 from tiny_models import hf_model
 
 from engine import LLM, SamplingParams
@@ -83,22 +83,11 @@ def _llm(path, **kw):
     return LLM(model=path, dtype="float32", max_model_len=96, **kw)
 
 
-def _record(llm):
-    log, execute = [], llm.engine.runner.execute
-
-    def recording(plan):
-        result = execute(plan)
-        log.append((plan, result))
-        return result
-    llm.engine.runner.execute = recording
-    return log
-
-
 def test_plans_replayed_into_a_new_engine_reproduce_its_state(model_path):
     """Preemption, prefix hits and penalties: the log alone rebuilds the tables, the K/V pool
     and every sampled token in an engine that never saw the scheduler."""
     llm = _llm(model_path, kv_pool_tokens=160, max_concurrency=4)
-    log = _record(llm)
+    log = record_plans(llm.engine)
     shared = list(range(10, 27))                      # one full block, cached by the first call
     llm.generate([shared + [1]], SamplingParams(temperature=0, max_tokens=4))
     prompts = [shared + [3], list(range(60, 65)), list(range(100, 105)), shared + [4]]

@@ -24,7 +24,7 @@ from engine.models.qwen3 import DenseDecoder
 import engine.loading.gguf as gguf_module
 from engine.loading.gguf import gguf_to_hf_dir
 from gguf_writer import write_gguf
-from tiny_models import make_hybrid_checkpoint, whole_prompt_batch
+from tiny_models import whole_prompt_batch
 from ops.quant_linear import quant_linear
 from ops.quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 from test_gguf import SHARED, SHARED_FILES
@@ -250,8 +250,5 @@ def test_quantization_is_refused_where_it_cannot_run(tmp_path):
     with pytest.raises(ConfigError, match="runs on CPUs only"):
         resolve_quantization(cfg, torch.device("cuda"))
     assert resolve_quantization(make_engine_config(quantization="auto"), torch.device("cuda")) == "none"
-    with pytest.raises(ConfigError, match="supports dense models"):
-        LLM(model=str(make_hybrid_checkpoint(tmp_path, "qwen3_5")), quantization="int8", dtype="float32", max_model_len=64,
-            kv_pool_tokens=256)
     with pytest.raises(ConfigError, match="quant_group_size"):
         make_engine_config(quant_group_size=48)

@@ -203,8 +203,10 @@ def test_sigterm_drains_queued_503_running_finish_exit_0(server):
     results: dict[int, httpx.Response] = {}
 
     def ask(i: int) -> None:
+        # long enough that the first four are still running when the last three have arrived
+        # (at 60 tokens they sometimes finished before the others were all in)
         results[i] = httpx.post(server.url + "/v1/completions", timeout=120,
-                                json=LONG | {"max_tokens": 60, "prompt": f"fox {i}"})
+                                json=LONG | {"prompt": f"fox {i}"})
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(7)]
     for t in threads:
         t.start()
@@ -223,6 +225,6 @@ def test_sigterm_drains_queued_503_running_finish_exit_0(server):
     assert statuses == [200] * 4 + [503] * 3
     for r in results.values():
         if r.status_code == 200:
-            assert r.json()["usage"]["completion_tokens"] == 60
+            assert r.json()["usage"]["completion_tokens"] == LONG["max_tokens"]
         else:
             assert r.json()["error"]["code"] == "shutting_down"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import engine.builder as builder
+from fake_engine import record_plans
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.request import FinishReason
@@ -36,22 +37,10 @@ def _prompts(n, lo=5, hi=40, seed=0):
     return [torch.randint(0, 400, (k,), generator=gen).tolist() for k in lens]
 
 
-def _record_plans(llm):
-    plans = []
-    execute = llm.engine.runner.execute
-
-    def recording(plan):
-        result = execute(plan)
-        plans.append((plan, result))
-        return result
-    llm.engine.runner.execute = recording
-    return plans
-
-
 def test_more_requests_than_rows_all_match_alone(model_path):
     llm = _llm(model_path, max_concurrency=3)
     prompts = _prompts(6)
-    plans = _record_plans(llm)
+    plans = record_plans(llm.engine)
     together = llm.generate(prompts, GREEDY)
     assert max(len(p.rows) for p, _ in plans) == 3          # really ran 3 at a time
     alone = [llm.generate([p], GREEDY)[0] for p in prompts]
@@ -62,7 +51,7 @@ def test_more_requests_than_rows_all_match_alone(model_path):
 def test_decoder_gets_a_token_every_step_while_long_prompt_prefills(model_path):
     llm = _llm(model_path, max_model_len=1100, kv_pool_tokens=4096)
     loop = llm.engine.loop
-    plans = _record_plans(llm)
+    plans = record_plans(llm.engine)
     short = loop.submit(_prompts(1)[0], SamplingParams(temperature=0, max_tokens=200,
                                                        ignore_eos=True), bounded=False)
     while not any(r.request_id == short.id and r.kind.value == "decode" for p, _ in plans
@@ -108,7 +97,7 @@ def test_cancel_frees_everything_within_one_step(model_path, phase):
 def test_cancelled_waiting_request_never_runs(model_path):
     llm = _llm(model_path, max_concurrency=1)
     loop = llm.engine.loop
-    plans = _record_plans(llm)
+    plans = record_plans(llm.engine)
     first = loop.submit(_prompts(1)[0], GREEDY, bounded=False)
     second = loop.submit(_prompts(1, seed=3)[0], GREEDY, bounded=False)
     loop.run_once()

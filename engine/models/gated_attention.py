@@ -3,17 +3,17 @@ and (Qwen3-Next / Qwen3.5) a per-channel sigmoid output gate emitted by q_proj n
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 import ops
 from engine.loading.model_config import ModelConfig
+from engine.models.linear import LinearLoader, linear
 from engine.models.batch import ForwardBatch
 
 pagedserve = ops.direct
 
 
 class GatedAttention:
-    def __init__(self, cfg: ModelConfig, get, norm, prefix: str):
+    def __init__(self, cfg: ModelConfig, get, norm, prefix: str, linears: LinearLoader):
         self.cfg = cfg
         h, d, heads = cfg.hidden_size, cfg.head_dim, cfg.num_heads
         self.q_size, self.kv_size = heads * d, cfg.num_kv_heads * d
@@ -33,15 +33,15 @@ class GatedAttention:
             return torch.cat([query, get(prefix + "k_proj." + suffix, self.kv_size, *tail),
                               get(prefix + "v_proj." + suffix, self.kv_size, *tail), gate])
 
-        self.qkvg_w = proj("weight", h)
+        self.qkvg_w = linears.adopt(proj("weight", h))
         self.qkvg_b = proj("bias") if cfg.qkv_bias else None
         self.q_norm, self.k_norm = norm(prefix + "q_norm.weight", d), norm(prefix + "k_norm.weight", d)
-        self.o_w = get(prefix + "o_proj.weight", h, self.q_size)
+        self.o_w = linears.adopt(get(prefix + "o_proj.weight", h, self.q_size))
         self.tensors = [t for t in (self.qkvg_w, self.qkvg_b, self.q_norm, self.k_norm, self.o_w) if t is not None]
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv, cos_sin: torch.Tensor) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
-        qkvg = F.linear(x, self.qkvg_w, self.qkvg_b)
+        qkvg = linear(x, self.qkvg_w, self.qkvg_b)
         q, k, v, gate = qkvg.split([self.q_size, self.kv_size, self.kv_size, self.gate_size], dim=-1)
         q = pagedserve.rms_norm(q.reshape(t, cfg.num_heads, cfg.head_dim), self.q_norm, cfg.rms_norm_eps)
         k = pagedserve.rms_norm(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), self.k_norm, cfg.rms_norm_eps)
@@ -53,4 +53,4 @@ class GatedAttention:
                                        batch.block_tables, self.scale).reshape(t, self.q_size)
         if self.gate_size:
             o = o * torch.sigmoid(gate)
-        return F.linear(o, self.o_w)
+        return linear(o, self.o_w)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import ops
 from engine.kv.pool import StateShape
 from engine.loading.model_config import ModelConfig
+from engine.models.linear import LinearLoader, linear
 from engine.models.batch import ForwardBatch
 
 pagedserve = ops.direct
@@ -25,7 +26,7 @@ def state_shape(cfg: ModelConfig, dtype: torch.dtype) -> StateShape:
 
 
 class GatedDeltaNet:
-    def __init__(self, cfg: ModelConfig, get, prefix: str):
+    def __init__(self, cfg: ModelConfig, get, prefix: str, linears: LinearLoader):
         self.cfg = cfg
         h = cfg.hidden_size
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -44,20 +45,20 @@ class GatedDeltaNet:
             parts = [get(prefix + "in_proj_qkv.weight", self.conv_dim, h),
                      get(prefix + "in_proj_z.weight", self.value_dim, h),
                      get(prefix + "in_proj_b.weight", hv, h), get(prefix + "in_proj_a.weight", hv, h)]
-        self.in_w = torch.cat(parts)
+        self.in_w = linears.adopt(torch.cat(parts))
         kernel = cfg.linear_conv_kernel_dim
         self.conv_w = get(prefix + "conv1d.weight", self.conv_dim, 1, kernel).reshape(self.conv_dim, kernel)
         # HF adds dt_bias (in the model dtype) to fp32 inputs: round through the dtype, keep fp32
         self.dt_bias = get(prefix + "dt_bias", hv).float()
         self.neg_a = -get(prefix + "A_log", hv).float().exp()
         self.norm_w = get(prefix + "norm.weight", dv)
-        self.out_w = get(prefix + "out_proj.weight", h, self.value_dim)
+        self.out_w = linears.adopt(get(prefix + "out_proj.weight", h, self.value_dim))
         self.tensors = [self.in_w, self.conv_w, self.dt_bias, self.neg_a, self.norm_w, self.out_w]
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, state, state_slots: torch.Tensor) -> torch.Tensor:
         cfg, t = self.cfg, x.shape[0]
         conv_state, ssm_state = state
-        qkv, z, b, a = F.linear(x, self.in_w).split([self.conv_dim, self.value_dim, self.v_heads, self.v_heads], -1)
+        qkv, z, b, a = linear(x, self.in_w).split([self.conv_dim, self.value_dim, self.v_heads, self.v_heads], -1)
         qkv = pagedserve.causal_conv1d(qkv.contiguous(), self.conv_w, conv_state, batch.query_start_loc,
                                        state_slots, True)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -70,4 +71,4 @@ class GatedDeltaNet:
         # gated RMSNorm: scale the normalised output by silu(z), in fp32, per value head
         o = pagedserve.rms_norm(o, self.norm_w, cfg.rms_norm_eps)
         o = (o * F.silu(z.reshape(t, self.v_heads, -1).float())).to(x.dtype)
-        return F.linear(o.reshape(t, self.value_dim), self.out_w)
+        return linear(o.reshape(t, self.value_dim), self.out_w)

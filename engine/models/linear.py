@@ -105,6 +105,18 @@ class LinearLoader:
         self.formats[fused.describe()] += 1
         return fused
 
+    def adopt(self, dense: torch.Tensor):
+        """A weight the model assembled itself from dense checkpoint tensors (rows regrouped or
+        de-interleaved, as the hybrid layers do) in the run's format: dense unless `mode` is int8
+        or int4, which quantize it as `load` would (an input width that is no multiple of the
+        group size stays dense; `describe` counts it so)."""
+        if self.mode in ("int8", "int4") and dense.shape[-1] % self.group_size == 0:
+            weight = _to_bits(dense, 8 if self.mode == "int8" else 4, self.group_size)
+            self.formats[weight.describe()] += 1
+            return weight
+        self.formats[str(self.dtype).removeprefix("torch.")] += 1
+        return dense
+
     def describe(self) -> str:
         """What was loaded, for /props and the console: "int4 g32x8 asym x84, int8 g32 sym x15"."""
         return ", ".join(f"{name} x{count}" for name, count in self.formats.most_common())

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import ops
 from engine.loading.model_config import ModelConfig
+from engine.models.linear import LinearLoader, linear
 
 pagedserve = ops.direct
 
@@ -22,12 +23,13 @@ def _swiglu(get, prefix: str, hidden: int, inter: int) -> tuple[torch.Tensor, to
 
 
 class MLP:
-    def __init__(self, cfg: ModelConfig, get, names: set[str], prefix: str, sparse: bool):
+    def __init__(self, cfg: ModelConfig, get, names: set[str], prefix: str, sparse: bool,
+                 linears: LinearLoader):
         h = cfg.hidden_size
         self.sparse = sparse
         self.tensors: list[torch.Tensor] = []
         if not sparse:
-            self.gate_up, self.down = _swiglu(get, prefix, h, cfg.intermediate_size)
+            self.gate_up, self.down = map(linears.adopt, _swiglu(get, prefix, h, cfg.intermediate_size))
             self.tensors += [self.gate_up, self.down]
             return
         experts, inter = cfg.num_experts, cfg.moe_intermediate_size
@@ -44,17 +46,18 @@ class MLP:
         self.tensors += [self.router, self.gate_up, self.down]
         self.shared = None
         if cfg.shared_expert_intermediate_size:
-            gate_up, down = _swiglu(get, prefix + "shared_expert.", h, cfg.shared_expert_intermediate_size)
+            gate_up, down = map(linears.adopt, _swiglu(get, prefix + "shared_expert.", h,
+                                                       cfg.shared_expert_intermediate_size))
             self.shared = (gate_up, down, get(prefix + "shared_expert_gate.weight", 1, h))
             self.tensors += list(self.shared)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sparse:
-            return F.linear(pagedserve.silu_and_mul(F.linear(x, self.gate_up)), self.down)
+            return linear(pagedserve.silu_and_mul(linear(x, self.gate_up)), self.down)
         weights, ids = pagedserve.moe_route(F.linear(x, self.router), self.top_k, self.normalize)
         out = pagedserve.moe_experts(x, self.gate_up, self.down, weights, ids)
         if self.shared is not None:
             gate_up, down, gate = self.shared
-            shared = F.linear(pagedserve.silu_and_mul(F.linear(x, gate_up)), down)
+            shared = linear(pagedserve.silu_and_mul(linear(x, gate_up)), down)
             out = out + torch.sigmoid(F.linear(x, gate)) * shared
         return out

@@ -17,6 +17,7 @@ from engine.loading.model_config import ModelConfig
 from engine.models.batch import ForwardBatch
 from engine.models.gated_attention import GatedAttention
 from engine.models.gated_deltanet import GatedDeltaNet, state_shape
+from engine.models.linear import LinearLoader, linear, weight_nbytes
 from engine.models.moe import MLP
 from ops.rotary import rope_cos_sin
 
@@ -28,8 +29,11 @@ class _Layer:
 
 
 class HybridDecoder:
-    def __init__(self, cfg: ModelConfig, ckpt, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, ckpt, dtype: torch.dtype, device: torch.device,
+                 linears: LinearLoader | None = None):
         self.cfg = cfg
+        # the projections go through the same linear path (and formats) as the dense models'
+        self.linears = linears = linears or LinearLoader(ckpt, dtype, device)
         self.dtype = dtype
         self.device = device
         h = cfg.hidden_size
@@ -45,8 +49,8 @@ class HybridDecoder:
 
         self.embed = get("model.embed_tokens.weight", cfg.vocab_size, h)
         self.norm = norm("model.norm.weight", h)
-        self.lm_head = (self.embed if cfg.tie_word_embeddings
-                        else get("lm_head.weight", cfg.vocab_size, h))
+        self.lm_head = linears.adopt(self.embed if cfg.tie_word_embeddings
+                                     else get("lm_head.weight", cfg.vocab_size, h))
         attention_layers, linear_layers = cfg.attention_layers, cfg.linear_layers
         self.layers = []
         for i in range(cfg.num_layers):
@@ -55,12 +59,13 @@ class HybridDecoder:
             layer.ln1 = norm(p + "input_layernorm.weight", h)
             layer.ln2 = norm(p + "post_attention_layernorm.weight", h)
             if i in attention_layers:
-                layer.attention, layer.linear = GatedAttention(cfg, get, norm, p + "self_attn."), None
+                layer.attention, layer.linear = GatedAttention(cfg, get, norm, p + "self_attn.", linears), None
                 layer.cache_index = attention_layers.index(i)
             else:
-                layer.attention, layer.linear = None, GatedDeltaNet(cfg, get, p + "linear_attn.")
+                layer.attention, layer.linear = None, GatedDeltaNet(cfg, get, p + "linear_attn.", linears)
                 layer.cache_index = linear_layers.index(i)
-            layer.mlp = MLP(cfg, get, names, p + "mlp.", sparse=bool(cfg.moe_layers and cfg.moe_layers[i]))
+            layer.mlp = MLP(cfg, get, names, p + "mlp.", sparse=bool(cfg.moe_layers and cfg.moe_layers[i]),
+                            linears=linears)
             self.layers.append(layer)
         self.cos_sin = rope_cos_sin(cfg.max_position_embeddings, cfg.rotary_dim, cfg.rope_theta).to(device)
 
@@ -79,7 +84,7 @@ class HybridDecoder:
         for layer in self.layers:
             mixer = layer.attention or layer.linear
             tensors += [layer.ln1, layer.ln2, *mixer.tensors, *layer.mlp.tensors]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(map(weight_nbytes, tensors))
 
     def forward(self, batch: ForwardBatch, kv_layers, state_layers=(), state_slots: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -105,4 +110,4 @@ class HybridDecoder:
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
