@@ -4,7 +4,8 @@ round-robin prefill grants next to decode rows in one plan, preemption by recomp
 There are no prefill/decode phases: every step each running request catches its computed tokens
 up towards all_token_ids, decoders one token, prefillers a granted chunk. No torch here.
 
-Prefix caching and hybrid state checkpoints: engine/prefix_reuse.py.
+Prefix caching and hybrid state checkpoints: engine/prefix_reuse.py; prefill fairness:
+engine/prefill_rotation.py.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Callable
 from engine.contracts import (ContractError, PlanRow, RowKind, RowOutput, SeqEngine, StepPlan,
                               StepResult, check_plan, check_result)
 from engine.kv.allocator import BlockAllocator, BlockHandle, Reservation
+from engine.prefill_rotation import PrefillRotation
 from engine.prefix_reuse import PrefixReuse
 from engine.request import FinishReason, Request, RequestState
 from engine.errors import QueueFull, RequestRejected
@@ -50,7 +52,7 @@ class Scheduler:
         self._running: list[Request] = []   # admitted (prefill, decode, paused), oldest first
         self._live: dict[str, Request] = {}
         self._reservations: dict[str, Reservation] = {}
-        self._rotation: list[str] = []      # prefill round-robin order; served ones move back
+        self._rotation = PrefillRotation()
         self._outstanding: StepPlan | None = None
         self._planned: dict[str, Request] = {}
         self._next_step = 0
@@ -182,7 +184,10 @@ class Scheduler:
         self._admit()
         lim = self._limits
         row_cap = min(lim.max_prefill_rows, lim.max_rows - len(decoders))
-        grants = self._grant_prefill(lim.prefill_tokens_total(len(decoders)), row_cap)
+        grants = self._rotation.grant(
+            lambda rid: self._prefix.prefill_end(self._live[rid]) - self._live[rid].num_computed_tokens,
+            lim.prefill_tokens_total(len(decoders)), row_cap=row_cap, quantum=lim.prefill_quantum,
+            per_row=lim.max_prefill_tokens_per_row)
         rows = [self._row(r, RowKind.DECODE, 1) for r in decoders]
         rows += [self._row(self._live[rid], RowKind.PREFILL, n) for rid, n in grants.items()]
         if not rows:
@@ -238,7 +243,7 @@ class Scheduler:
         req.last_token_time = now
         req.append_output(out.token)
         if req.state is RequestState.PREFILL:
-            self._rotation.remove(req.id)
+            self._rotation.discard(req.id)
             req.state = RequestState.PAUSED if req.pause_requested else RequestState.DECODE
         if req.matcher is not None and not req.matcher.accept(out.token):
             return self._retire(req, FinishReason.ERROR, out=out,
@@ -279,8 +284,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Give back an admitted request's blocks, reservation and slot."""
         self._running.remove(req)
-        if req.id in self._rotation:
-            self._rotation.remove(req.id)
+        self._rotation.discard(req.id)
         self._allocator.free(reversed(req.take_blocks()))  # a prefix's tail goes idle first, so is evicted first
         if req.sent_blocks is not None:
             self._forget.append(req.id)
@@ -354,7 +358,7 @@ class Scheduler:
             self._prefix.admitted(req, hit)
             req.state = RequestState.PREFILL
             self._running.append(req)
-            self._rotation.append(req.id)
+            self._rotation.add(req.id)
 
     def _prompt_pending(self, request_id: str | None) -> bool:
         """A live request whose prompt is not computed yet: who follows it waits, so as to start
@@ -362,28 +366,6 @@ class Scheduler:
         req = self._live.get(request_id) if request_id is not None else None
         return (req is not None and self._prefix.cache is not None
                 and req.state in (RequestState.WAITING, RequestState.PREFILL))
-
-    def _grant_prefill(self, budget: int, row_cap: int) -> dict[str, int]:
-        """Round-robin quanta over prefillers in rotation order, repeated while `budget` tokens
-        remain; those served move to the back of the rotation so the others go first next step."""
-        grants: dict[str, int] = {}
-        limits, quantum = self._limits, max(1, self._limits.prefill_quantum)
-        progress = True
-        while progress and budget > 0:
-            progress = False
-            for rid in self._rotation:
-                req, have = self._live[rid], grants.get(rid, 0)
-                if budget == 0 or (have == 0 and len(grants) >= row_cap):
-                    continue
-                left = self._prefix.prefill_end(req) - req.num_computed_tokens - have
-                grant = min(quantum, left, limits.max_prefill_tokens_per_row - have, budget)
-                if grant > 0:
-                    grants[rid] = have + grant
-                    budget -= grant
-                    progress = True
-        self._rotation = ([rid for rid in self._rotation if rid not in grants]
-                          + [rid for rid in self._rotation if rid in grants])
-        return grants
 
     def _row(self, req: Request, kind: RowKind, count: int) -> PlanRow:
         all_ids, start = req.all_token_ids, req.num_computed_tokens

@@ -18,9 +18,7 @@ router = APIRouter()
 
 
 async def _chat(host: EngineHost, body: MessagesRequest) -> Chat:
-    host.check_model(body.model)
-    host.require_client()
-    body.check_fields()
+    host.accept(body)
     choice = body.tool_choice
     tools = tool_request(body.openai_tools(), choice.as_openai() if choice else None,
                          not (choice and choice.disable_parallel_tool_use))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from server.reasoning import ReasoningDelta, ReasoningParser
-from server.tool_parsers import ParsedDelta, ToolCallDelta, ToolCallParser
+from server.tool_call_parser import ParsedDelta, ToolCallDelta, ToolCallParser
 
 
 @dataclass

@@ -122,6 +122,14 @@ class EngineHost:
             return from_template(self.require_client(admitting=False).tokenizer.chat_template)
         return None if setting == "none" else setting
 
+    def accept(self, body):
+        """A generation request's first checks, in this order: the model it names, the engine
+        ready (503 while loading or draining), then the body's fields. Returns the engine client."""
+        self.check_model(body.model)
+        client = self.require_client()
+        body.check_fields()
+        return client
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self._accepted:
             served = " or ".join(repr(n) for n in self.names)

@@ -121,9 +121,7 @@ class InfillFormat(WireFormat):
 @router.post("/infill")
 async def infill(body: InfillRequest, request: Request):
     host: EngineHost = request.app.state.host
-    host.check_model(body.model)
-    client = host.require_client()
-    body.check_fields()
+    client = host.accept(body)
     fim = require_fim(host, "input_suffix")
     extra = [FileChunk(c.filename, c.text) for c in body.input_extra]
     ids = await asyncio.to_thread(fim_prompt, client.tokenizer, fim, body.input_prefix + body.prompt,

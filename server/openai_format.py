@@ -6,7 +6,7 @@ from engine.loop import Delta
 from engine.request import FinishReason
 from server.chat_output import ChatOutput
 from server.sse import sse_event
-from server.tool_parsers import ToolCallDelta
+from server.tool_call_parser import ToolCallDelta
 from server.wire_format import WireFormat
 
 

@@ -26,9 +26,7 @@ def _host(request: Request) -> EngineHost:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     host = _host(request)
-    host.check_model(body.model)
-    client = host.require_client()
-    body.check_fields()
+    client = host.accept(body)
     tools = tool_request([t.as_dict() for t in body.tools or ()], body.tool_choice,
                          body.parallel_tool_calls)
     chat = await prepare_chat(host, body.chat(), tools, body.output_grammar(), body.chat_template_kwargs)
@@ -44,9 +42,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     host = _host(request)
-    host.check_model(body.model)
-    client = host.require_client()
-    body.check_fields()
+    client = host.accept(body)
     prompt = body.single_prompt()
     fim = None
     if body.suffix is not None:     # fill in the middle: the model's FIM prompt around the cursor

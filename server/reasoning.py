@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from server.tool_parsers import held_tag_start
+from server.tool_call_parser import held_tag_start
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

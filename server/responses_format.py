@@ -13,7 +13,7 @@ from engine.loop import Delta
 from engine.request import FinishReason
 from server.chat_output import ChatOutput, ChatPiece
 from server.sse import sse_event
-from server.tool_parsers import ToolCallDelta
+from server.tool_call_parser import ToolCallDelta
 from server.wire_format import WireFormat
 
 _PREFIX = {"reasoning": "rs", "message": "msg", "function_call": "fc"}

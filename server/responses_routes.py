@@ -23,9 +23,7 @@ _CHAT_TOOL_PARAM = re.compile(r"^tools\.(\d+)\.function\.")
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
     host: EngineHost = request.app.state.host
-    host.check_model(body.model)
-    client = host.require_client()
-    body.check_fields()
+    client = host.accept(body)
     tools = tool_request(body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls)
     chat = await _prepare(host, body, tools)
     rid = f"resp_{uuid.uuid4().hex}"

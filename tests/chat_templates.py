@@ -108,3 +108,13 @@ def chat_server(tmp_path_factory, tiny_checkpoint, name: str, template: str, *fl
     from server_process import ServerProcess
     return ServerProcess(chat_model(tmp_path_factory, tiny_checkpoint, name, template, generation),
                          "--max-concurrency", "4", *flags, max_model_len=1024, kv_pool_tokens=16384)
+
+
+def assert_refused(server, route: str, body: dict, param: str, words: str) -> None:
+    """`body` on `route` is a 400 whose error names `param` and says `words`; the server still serves."""
+    import httpx
+    r = httpx.post(server.url + route, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}

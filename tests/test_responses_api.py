@@ -19,7 +19,7 @@ from server.chat_output import ChatOutput
 from server.errors import APIError
 from server.responses_format import ResponsesFormat
 
-from chat_templates import HERMES, XML_THINKING, chat_server, tag_id
+from chat_templates import HERMES, XML_THINKING, assert_refused, chat_server, tag_id
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -262,12 +262,8 @@ BAD = [
 
 @pytest.mark.parametrize("extra,param,words", BAD, ids=[b[1] for b in BAD])
 def test_refusals_are_400s_naming_the_param(hermes, extra, param, words):
-    body = {"model": "tiny", "input": ASK, "max_output_tokens": 2} | extra
-    r = httpx.post(hermes.url + "/v1/responses", json=body, timeout=60)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == param and words in error["message"], error
-    assert httpx.get(hermes.url + "/health").json() == {"status": "ok"}
+    assert_refused(hermes, "/v1/responses", {"model": "tiny", "input": ASK, "max_output_tokens": 2} | extra,
+                   param, words)
 
 
 def test_the_sdk_raises_a_bad_request_for_stored_state(hermes):

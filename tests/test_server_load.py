@@ -137,15 +137,15 @@ def test_slow_reader_does_not_slow_the_others(server):
     """A client that reads nothing holds a long stream; three others still get every token, the same
     ones as without it, while it stays live. (If the engine waited for the slow client, they would
     not finish: the wait is bounded by the client timeout, never asserted as a speed.)"""
-    baseline = _three_streams(server.url)
+    alone = _three_streams(server.url)
     slow = _raw_stream(server.port, LONG | {"logprobs": 20, "prompt": "The slow reader"})
     deadline = time.monotonic() + 30
     while not httpx.get(server.url + "/v1/requests").json()["data"] and time.monotonic() < deadline:
         time.sleep(0.02)
-    with_slow = _three_streams(server.url)
+    beside_slow = _three_streams(server.url)
     live = [(r["client"], r["state"]) for r in httpx.get(server.url + "/v1/requests").json()["data"]]
     slow.close()
-    assert with_slow == baseline and all(baseline)
+    assert beside_slow == alone and all(alone)          # the same texts, every one complete
     assert len(live) == 1 and live[0][1] in ("decode", "paused"), live   # the slow stream, still held
     assert _wait_idle(server.url)["data"] == []
 

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from chat_templates import HERMES, XML_THINKING, chat_server, tag_id
+from chat_templates import HERMES, XML_THINKING, assert_refused, chat_server, tag_id
 
 TAGS = ("<tool_call>", "</tool_call>", "<function=", "<parameter=", "<think>", "</think>")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -260,12 +260,8 @@ BAD = [
 
 @pytest.mark.parametrize("extra,param,words", BAD, ids=[b[1] for b in BAD])
 def test_bad_agent_input_is_a_400_naming_the_param(hermes, extra, param, words):
-    body = {"model": "tiny", "messages": ASK, "max_tokens": 2} | extra
-    r = httpx.post(hermes.url + "/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == param and words in error["message"], error
-    assert httpx.get(hermes.url + "/health").json() == {"status": "ok"}
+    assert_refused(hermes, "/v1/chat/completions", {"model": "tiny", "messages": ASK, "max_tokens": 2} | extra,
+                   param, words)
 
 
 def test_unknown_fields_are_ignored_and_logged_once(hermes):

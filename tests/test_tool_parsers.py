@@ -11,6 +11,7 @@ import pytest
 
 from server import reasoning, tool_parsers
 from server.reasoning import ReasoningParser, reply_reasoning
+from server.tool_call_parser import ParsedDelta
 from server.tool_parsers import PARSERS, HermesParser, Qwen3CoderParser
 
 TAGS = ("<tool_call>", "</tool_call>", "<function=", "<parameter=", "<think>", "</think>")
@@ -316,9 +317,9 @@ def test_hermes_streams_arguments_before_the_call_ends():
     closed = parser.feed('ris"} ')  # the arguments' own closing brace ends them at once
     assert [d.arguments for d in closed.tool_calls] == ['ris"}']
     # the outer brace, and keys a model adds after the arguments, are not part of the call
-    assert parser.feed('}, "note": {"x": 1}}\n</tool_c') == tool_parsers.ParsedDelta()
-    assert parser.feed("all>") == tool_parsers.ParsedDelta()
-    assert parser.finish() == tool_parsers.ParsedDelta()
+    assert parser.feed('}, "note": {"x": 1}}\n</tool_c') == ParsedDelta()
+    assert parser.feed("all>") == ParsedDelta()
+    assert parser.finish() == ParsedDelta()
     assert parser.calls == 1
 
 

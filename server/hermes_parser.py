@@ -1,0 +1,132 @@
+"""Hermes-style tool calls (Qwen2.5, Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+also as a fenced JSON block, streamed as the arguments object is written."""
+from __future__ import annotations
+
+import json
+import re
+
+from server.tool_call_parser import CALL_END, CALL_START, ToolCallParser
+
+
+_HERMES_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+class HermesParser(ToolCallParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3). Small models
+    often write the same object in a Markdown code fence instead (Qwen2.5-Coder-1.5B does): a
+    fenced block whose object names a tool is a call too, any other fenced block stays content."""
+    name = "hermes"
+    BLOCKS = ((CALL_START, CALL_END), ("```json\n", "```"), ("```\n", "```"))
+
+    def __init__(self, tools: list[dict]):
+        super().__init__(tools)
+        self._streaming: _ObjectEnd | None = None  # the open call's header is read: the buffer
+                                                   # holds its arguments, scanned for their end
+        self._sent = 0           # characters of the arguments already emitted
+
+    def _step_call(self, final: bool) -> bool:
+        region, closed = self._block_region()
+        if self._block[0] != CALL_START and not self._streaming and _not_a_call(region):
+            self._reject_block(region, closed)      # a code block: release it without waiting
+            return True
+        if self._streaming:
+            # the arguments end with their own closing brace; what follows up to the block's end
+            # (the outer brace, or keys a model adds after them) is not part of the call
+            end = self._streaming.scan(region)
+            arguments = region[:end] if end is not None else region.rstrip()
+            self._arguments(arguments[self._sent:])
+            self._sent = len(arguments)
+            if not (closed or final):
+                return False
+            self._streaming = None
+        elif self._read_header(region):
+            return True
+        elif closed or final:
+            call = _parse_call_json(region, self._tools)
+            if call is None:
+                self._reject_block(region, closed)
+                return True
+            self._open_call(*call)
+        else:
+            return False
+        self._leave_block(region, closed)
+        return True
+
+    def _read_header(self, region: str) -> bool:
+        match = _HERMES_HEADER.match(region)
+        # Wait for the arguments' first character: only then is the header's trailing whitespace
+        # complete, and arguments written as a JSON string are left to the whole-body parse.
+        if not match or region[match.end():match.end() + 1] != "{":
+            return False
+        name = _json_string(match.group(1))
+        if name not in self._tools:
+            return False
+        self._open_call(name)
+        self._buf = self._buf[match.end():]
+        self._streaming, self._sent = _ObjectEnd(), 0
+        return True
+
+
+def _not_a_call(region: str) -> bool:
+    """Whether fenced text already shows it is no `{"name": ...` object."""
+    body = region.lstrip()
+    if not body:
+        return False
+    if not body.startswith("{"):
+        return True
+    key = body[1:].lstrip()
+    return bool(key) and not (key.startswith('"name"') or '"name"'.startswith(key))
+
+
+class _ObjectEnd:
+    """Finds where the JSON object at the start of a growing text ends, reading each character
+    once however often it is asked: braces and brackets count outside strings only."""
+
+    def __init__(self) -> None:
+        self._at = self._depth = 0
+        self._in_string = self._escaped = False
+        self.end: int | None = None
+
+    def scan(self, text: str) -> int | None:
+        """Just past the object's closing brace, or None while it is open."""
+        while self.end is None and self._at < len(text):
+            ch = text[self._at]
+            self._at += 1
+            if self._in_string:
+                self._escaped, self._in_string = (not self._escaped and ch == "\\",
+                                                  self._escaped or ch != '"')
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                self.end = self._at if self._depth == 0 else None
+        return self.end
+
+
+def _json_string(body: str) -> str | None:
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:
+        return None
+
+
+def _parse_call_json(body: str, tools: dict[str, dict]) -> tuple[str, str] | None:
+    """(name, arguments JSON) from a whole call body in any key order, or None if it is not one."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    name = obj.get("name") if isinstance(obj, dict) else None
+    if not isinstance(name, str) or name not in tools:
+        return None
+    arguments = obj.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return name, json.dumps(arguments, ensure_ascii=False)
