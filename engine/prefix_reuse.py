@@ -8,20 +8,23 @@ resets and copies are queued as StateOps for the next plan, which the engine run
 """
 from __future__ import annotations
 
-from engine.contracts import EngineLimits, PlanRow, StateOp
-from engine.kv.prefix_cache import BlockChain, PrefixCache, StateSlots
+from engine.contracts import PlanRow, StateOp
+from engine.kv.prefix_cache import BlockChain
+from engine.kv.resources import KVResources
 from engine.request import Request
 
 
 class PrefixReuse:
-    """Which cached blocks (and checkpoint) a request starts from, and what it leaves behind."""
+    """Which cached blocks (and checkpoint) a request starts from, and what it leaves behind. The
+    caches it decides over belong to the resources (`kv`): blocks' to the allocator, checkpoints' to
+    the slot allocator."""
 
-    def __init__(self, limits: EngineLimits, enabled: bool) -> None:
+    def __init__(self, block_size: int, kv: KVResources) -> None:
         self._ops: list[StateOp] = []
-        self.block_size = limits.block_size
-        self.has_state = bool(limits.num_state_slots)
-        self.cache = PrefixCache(limits.block_size) if enabled else None
-        self.slots = StateSlots(limits.num_state_slots)
+        self.block_size = block_size
+        self.cache = kv.blocks.cache
+        self.slots = kv.slots
+        self.checkpoints = kv.slots.checkpoints
         self._chains: dict[str, BlockChain] = {}    # block hashes of live requests' tokens
         self._indexed: dict[str, int] = {}          # an admitted request's full blocks in the cache
         self.query_tokens = self.hit_tokens = self.checkpoint_hits = 0
@@ -34,33 +37,20 @@ class PrefixReuse:
         tokens = req.all_token_ids
         hashes = self._chains.setdefault(req.id, self.cache.chain()).extend(tokens)
         hit = self.cache.lookup(tokens, hashes[:(len(tokens) - 1) // self.block_size])
-        if not self.has_state:
+        if self.checkpoints is None:
             return hit, None
-        resume = self.slots.latest(hashes, len(hit))    # K/V past the state would be rewritten
+        resume = self.checkpoints.latest(hashes, len(hit))    # K/V past the state would be rewritten
         return hit[:resume], hashes[resume - 1] if resume else None
 
-    def idle_blocks(self, hit: list[int]) -> int:
-        """Cached blocks nobody holds: taking them uses up free blocks."""
-        return sum(self.cache.is_idle(b) for b in hit)
-
-    def admitted(self, req: Request, hit: list[int]) -> None:
+    def admitted(self, req: Request, hit: list[int], restore: bytes | None, state_op: StateOp | None) -> None:
+        """A request claimed its resources: count the hit and queue the op that readies its slot."""
+        if state_op is not None:
+            self._ops.append(state_op)
+        self.checkpoint_hits += restore is not None
         if self.cache is not None:
             self._indexed[req.id] = len(hit)
             self.query_tokens += len(req.all_token_ids)
             self.hit_tokens += req.num_computed_tokens
-
-    def take_slot(self, restore: bytes | None) -> int:
-        """A state slot for an admitted request: reset, or holding the restored checkpoint."""
-        if restore is None:
-            slot = self.slots.acquire()
-            self._ops.append(StateOp(slot))
-            return slot
-        self.checkpoint_hits += 1
-        slot = self.slots.acquire(keep=restore)
-        if slot is None:        # the checkpoint holds the only spare slot: resume in it
-            return self.slots.adopt(restore)
-        self._ops.append(StateOp(slot, self.slots.use(restore)))
-        return slot
 
     def _checkpoint_due(self, req: Request) -> int:
         """The block boundary a later request with these tokens would resume from."""
@@ -71,9 +61,9 @@ class PrefixReuse:
         """Where a prefill chunk may end: the end of the tokens, or (hybrid) a due checkpoint's
         boundary, so that the state there exists after the step (if a slot is there to keep it)."""
         due = self._checkpoint_due(req)
-        if (self.cache is not None and req.state_slot is not None and req.num_computed_tokens < due
-                and self.slots.available
-                and self._chains[req.id].hashes[due // self.block_size - 1] not in self.slots):
+        if (self.checkpoints is not None and req.state_slot is not None and req.num_computed_tokens < due
+                and self.slots.num_free
+                and self._chains[req.id].hashes[due // self.block_size - 1] not in self.checkpoints):
             return due
         return len(req.all_token_ids)
 
@@ -88,13 +78,13 @@ class PrefixReuse:
         for i in range(self._indexed[req.id], done // bs):
             self.cache.insert(req.blocks[i].block_id, chain, i, tokens)
         self._indexed[req.id] = done // bs
-        if (req.state_slot is None or done % bs or (not row.sample and done != self._checkpoint_due(req))
-                or hashes[done // bs - 1] in self.slots):
+        if (self.checkpoints is None or done % bs or (not row.sample and done != self._checkpoint_due(req))
+                or hashes[done // bs - 1] in self.checkpoints):
             return
         slot = self.slots.acquire()
         if slot is not None:
             self._ops.append(StateOp(slot, req.state_slot))
-            self.slots.add(hashes[done // bs - 1], slot)
+            self.slots.keep_as(slot, hashes[done // bs - 1])
 
     def take_ops(self) -> tuple[StateOp, ...]:
         """The slot operations queued since the last plan, in order."""
@@ -116,5 +106,5 @@ class PrefixReuse:
             prefix_cache_hit_rate=self.hit_tokens / self.query_tokens if self.query_tokens else 0.0,
             cached_blocks=0 if self.cache is None else self.cache.num_cached,
             cache_evictions_total=0 if self.cache is None else self.cache.evictions,
-            checkpoints=self.slots.num_checkpoints, checkpoint_hits_total=self.checkpoint_hits,
-            checkpoint_evictions_total=self.slots.evictions)
+            checkpoints=len(self.checkpoints or ()), checkpoint_hits_total=self.checkpoint_hits,
+            checkpoint_evictions_total=0 if self.checkpoints is None else self.checkpoints.evictions)

@@ -16,7 +16,9 @@ from typing import Callable
 
 from engine.contracts import (ContractError, PlanRow, RowKind, RowOutput, SeqEngine, StepPlan,
                               StepResult, check_plan, check_result)
-from engine.kv.allocator import BlockAllocator, BlockHandle, Reservation
+from engine.kv.allocator import BlockHandle, Reservation
+from engine.kv.prefix_cache import CheckpointCache, PrefixCache
+from engine.kv.resources import KVResources
 from engine.prefill_rotation import PrefillRotation
 from engine.prefix_reuse import PrefixReuse
 from engine.request import FinishReason, Request, RequestState
@@ -44,8 +46,10 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic, prefix_cache: bool = True) -> None:
         self.engine = engine
         self._limits = lim = engine.limits()
-        self._prefix = PrefixReuse(lim, prefix_cache)
-        self._allocator = BlockAllocator(lim.num_blocks, self._prefix.cache)
+        self._kv = KVResources(
+            lim.num_blocks, lim.num_state_slots, PrefixCache(lim.block_size) if prefix_cache else None,
+            CheckpointCache() if prefix_cache and lim.num_state_slots else None)
+        self._prefix = PrefixReuse(lim.block_size, self._kv)
         self._max_waiting = max_waiting
         self._clock = clock
         self._waiting: deque[Request] = deque()
@@ -140,7 +144,7 @@ class Scheduler:
         return self._live.get(request_id)
 
     def stats(self) -> SchedulerStats:
-        now, alloc = self._clock(), self._allocator
+        now, alloc = self._clock(), self._kv.blocks
         paused = sum(r.state is RequestState.PAUSED for r in self._running)
         prompt_rate, gen_rate = self._recorder.rates()
         rows = tuple(RequestRow(r.id, r.state.value, len(r.prompt_token_ids), len(r.output_token_ids),
@@ -285,14 +289,14 @@ class Scheduler:
         """Give back an admitted request's blocks, reservation and slot."""
         self._running.remove(req)
         self._rotation.discard(req.id)
-        self._allocator.free(reversed(req.take_blocks()))  # a prefix's tail goes idle first, so is evicted first
+        self._kv.blocks.free(reversed(req.take_blocks()))  # a prefix's tail goes idle first, so is evicted first
         if req.sent_blocks is not None:
             self._forget.append(req.id)
             req.sent_blocks = None
         self._reservations.pop(req.id).release()
         self._prefix.released(req)
         if req.state_slot is not None:
-            self._prefix.slots.release(req.state_slot)
+            self._kv.slots.release(req.state_slot)
             req.state_slot = None
 
     def _preempt(self, req: Request) -> None:
@@ -308,8 +312,8 @@ class Scheduler:
         reservation = self._reservations[req.id]
         if reservation.remaining:
             return reservation.take()
-        if self._allocator.num_free:
-            return self._allocator.allocate(1)[0]
+        if self._kv.blocks.num_free:
+            return self._kv.blocks.allocate(1)[0]
         return None
 
     def _grow_decoders(self) -> list[Request]:
@@ -342,20 +346,18 @@ class Scheduler:
                 continue
             if self._prompt_pending(req.after):
                 return
-            no_slot = lim.num_state_slots and not self._prefix.slots.available
-            if len(self._running) >= lim.max_rows or no_slot:
+            if len(self._running) >= lim.max_rows:
                 return
             hit, restore = self._prefix.lookup(req)
-            need = self._blocks_for(len(req.all_token_ids)) - len(hit) + 1
-            if need + self._prefix.idle_blocks(hit) > self._allocator.num_free:
+            claim = self._kv.claim(hit, self._blocks_for(len(req.all_token_ids)) - len(hit) + 1, restore)
+            if claim is None:
                 return
             self._waiting.remove(req)
-            req.add_blocks([self._allocator.share(b) for b in hit])
+            req.add_blocks(claim.shared)
             req.num_computed_tokens = len(hit) * lim.block_size
-            self._reservations[req.id] = self._allocator.reserve(need)
-            if lim.num_state_slots:
-                req.state_slot = self._prefix.take_slot(restore)
-            self._prefix.admitted(req, hit)
+            self._reservations[req.id] = claim.reservation
+            req.state_slot = claim.slot
+            self._prefix.admitted(req, hit, restore, claim.state_op)
             req.state = RequestState.PREFILL
             self._running.append(req)
             self._rotation.add(req.id)

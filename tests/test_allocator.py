@@ -1,9 +1,14 @@
-"""BlockAllocator: lowest-first, transactional failures, stale handles, private reservations."""
+"""BlockAllocator: lowest-first, transactional failures, stale handles, private reservations; state slots
+and the admission claim that takes blocks and a slot together."""
 from __future__ import annotations
 
 import pytest
 
+from engine.contracts import StateOp
 from engine.kv.allocator import BlockAllocator, OutOfBlocks, StaleHandleError
+from engine.kv.prefix_cache import CheckpointCache
+from engine.kv.resources import KVResources
+from engine.kv.state_slots import StaleSlotError
 
 
 def counts(a: BlockAllocator) -> tuple[int, int, int]:
@@ -132,3 +137,46 @@ def test_bad_sizes_are_rejected():
         BlockAllocator(0)
     with pytest.raises(ValueError):
         BlockAllocator(2).allocate(-1)
+
+
+# ---- state slots and the admission transaction ------------------------------------------------------
+
+def test_claim_short_of_blocks_takes_no_slot():
+    kv = KVResources(num_blocks=4, num_slots=2)
+    assert kv.claim([], reserve=5) is None
+    assert (kv.slots.num_used, kv.blocks.num_free, kv.blocks.num_reserved) == (0, 4, 0)
+    claim = kv.claim([], reserve=4)
+    assert claim.slot == 0 and claim.state_op == StateOp(0) and claim.reservation.remaining == 4
+
+
+def test_claim_short_of_slots_takes_no_blocks():
+    kv = KVResources(num_blocks=8, num_slots=1)
+    assert kv.claim([], reserve=2) is not None
+    assert kv.claim([], reserve=2) is None
+    assert (kv.slots.num_used, kv.blocks.num_free) == (1, 6)
+
+
+def test_checkpoints_count_as_free_and_a_restore_copies_or_adopts():
+    checkpoints = CheckpointCache()
+    kv = KVResources(num_blocks=8, num_slots=2, checkpoints=checkpoints)
+    a, b = kv.slots.acquire(), kv.slots.acquire()
+    kv.slots.keep_as(a, b"x")
+    assert (kv.slots.num_used, kv.slots.num_free, len(checkpoints)) == (1, 1, 1)
+    kv.slots.release(b)
+    # a free slot is there: the restored checkpoint is copied into it and stays cached
+    copy = kv.claim([], reserve=1, restore=b"x")
+    assert copy.state_op == StateOp(b, a) and b"x" in checkpoints
+    # no free slot but the checkpoint's own: the request resumes in it, nothing to copy
+    kv.slots.release(copy.slot)
+    kv.slots.acquire()
+    adopt = kv.claim([], reserve=1, restore=b"x")
+    assert (adopt.slot, adopt.state_op, len(checkpoints)) == (a, None, 0)
+
+
+def test_released_slot_twice_is_stale():
+    slots = KVResources(num_blocks=1, num_slots=1).slots
+    slot = slots.acquire()
+    slots.release(slot)
+    with pytest.raises(StaleSlotError, match="released twice"):
+        slots.release(slot)
+    assert slots.num_free == 1

@@ -1,5 +1,5 @@
 """Prefix caching: which full K/V blocks hold which token prefix, the LRU of cached blocks nobody
-holds, and (hybrid models) the state slots, some holding recurrent-state checkpoints. No torch.
+holds, and (hybrid models) which recurrent-state checkpoints to keep. No torch.
 
 A full block is named by a chained hash: hash(parent block's hash, its token ids), started from a
 root that carries anything else that changes K/V (the salt). Equal hashes therefore mean equal
@@ -9,7 +9,6 @@ another prompt's K/V.
 from __future__ import annotations
 
 import hashlib
-import heapq
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -129,61 +128,45 @@ class PrefixCache:
         return block
 
 
-class StateSlots:
-    """Hybrid models' recurrent-state slots: free ones (lowest first), ones held by running
-    requests, and checkpoints: block hash -> slot holding the state right after that block. A
-    checkpoint counts as free: it is evicted, least recently used first, when a slot is needed."""
+class CheckpointCache:
+    """Which recurrent-state checkpoints to keep (hybrid models): block hash -> the state slot holding
+    the state right after that block, least recently used first. The slots themselves belong to the
+    SlotAllocator (engine/kv/state_slots.py), which asks for the oldest checkpoint back when a slot is
+    wanted and none is free."""
 
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self._free = list(range(num_slots))     # sorted = a valid heap
-        self._checkpoints: OrderedDict[bytes, int] = OrderedDict()
+    def __init__(self) -> None:
+        self._slots: OrderedDict[bytes, int] = OrderedDict()
         self.evictions = 0
 
-    @property
-    def num_checkpoints(self) -> int:
-        return len(self._checkpoints)
-
-    @property
-    def num_used(self) -> int:
-        """Slots held by running requests."""
-        return self.num_slots - len(self._free) - len(self._checkpoints)
-
-    @property
-    def available(self) -> bool:
-        return bool(self._free or self._checkpoints)
+    def __len__(self) -> int:
+        return len(self._slots)
 
     def __contains__(self, h: bytes) -> bool:
-        return h in self._checkpoints
-
-    def acquire(self, keep: bytes | None = None) -> int | None:
-        """A free slot, else the slot of the least recently used checkpoint other than `keep`."""
-        if self._free:
-            return heapq.heappop(self._free)
-        for h in self._checkpoints:
-            if h != keep:
-                self.evictions += 1
-                return self._checkpoints.pop(h)
-        return None
-
-    def release(self, slot: int) -> None:
-        heapq.heappush(self._free, slot)
+        return h in self._slots
 
     def latest(self, hashes: Sequence[bytes], max_blocks: int) -> int:
         """The most blocks j <= max_blocks whose state after block j-1 is checkpointed (0: none)."""
         for j in range(min(max_blocks, len(hashes)), 0, -1):
-            if hashes[j - 1] in self._checkpoints:
+            if hashes[j - 1] in self._slots:
                 return j
         return 0
 
     def use(self, h: bytes) -> int:
         """The slot of a checkpoint about to be restored; it becomes the most recently used."""
-        self._checkpoints.move_to_end(h)
-        return self._checkpoints[h]
+        self._slots.move_to_end(h)
+        return self._slots[h]
 
     def add(self, h: bytes, slot: int) -> None:
-        self._checkpoints[h] = slot
+        self._slots[h] = slot
 
-    def adopt(self, h: bytes) -> int:
-        """Remove a checkpoint and hand its slot, state intact, to a request that resumes from it."""
-        return self._checkpoints.pop(h)
+    def pop(self, h: bytes) -> int:
+        """Remove a checkpoint and give back its slot, state intact."""
+        return self._slots.pop(h)
+
+    def evict(self, keep: bytes | None = None) -> int | None:
+        """Forget the least recently used checkpoint other than `keep`; its slot, or None if none."""
+        for h in self._slots:
+            if h != keep:
+                self.evictions += 1
+                return self._slots.pop(h)
+        return None
