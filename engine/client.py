@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from engine.builder import Engine, build_engine
 from engine.config import EngineConfig
 from engine.grammar import Grammar
-from engine.loop import RequestHandle
+from engine.output import RequestHandle
 from engine.request import SamplingParams
 from engine.stats import SchedulerStats
 
@@ -47,9 +47,10 @@ class EngineClient:
 
     def submit(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                params: SamplingParams | None = None, request_id: str | None = None,
-               client: str = "", after: str | None = None, timeout_s: float | None = None) -> RequestHandle:
+               client: str = "", after: str | None = None, timeout_s: float | None = None,
+               group: str | None = None) -> RequestHandle:
         """Exactly one of `prompt` (text or token ids) and `messages` (chat, templated here).
-        `after`, `timeout_s`: see EngineLoop.submit."""
+        `after`, `timeout_s`, `group`: see EngineLoop.submit."""
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if messages is not None:
@@ -59,7 +60,7 @@ class EngineClient:
         else:
             ids = list(prompt)
         return self._loop.submit(ids, params or SamplingParams(), request_id=request_id,
-                                 client=client, after=after, timeout_s=timeout_s)
+                                 client=client, after=after, timeout_s=timeout_s, group=group)
 
     def compile_grammar(self, grammar: Grammar) -> None:
         """Compile (and cache) a grammar now, so that submitting it later costs nothing; raises
@@ -70,8 +71,22 @@ class EngineClient:
         """`text` as a Lark grammar writes it for this tokenizer (GrammarCompiler.literal)."""
         return self._loop.grammars.literal(text)
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str | None) -> None:
+        """Stop a request, or all requests submitted with this `group`; None: everything live."""
         self._loop.cancel(request_id)
+
+    def is_live(self, request_id: str) -> bool:
+        """A request, or a group with a request, that has not finished."""
+        return self._loop.is_live(request_id)
+
+    def shed_waiting(self, error: str) -> None:
+        """Cancel every request not yet started, `error` in its final delta."""
+        self._loop.shed_waiting(error)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted whose final delta has not been produced yet."""
+        return self._loop.num_unfinished
 
     def stats(self) -> SchedulerStats:
         """A snapshot taken between two steps (it waits for the current step to end)."""

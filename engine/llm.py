@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from engine.builder import build_engine
 from engine.config import make_engine_config
-from engine.loop import Completion
+from engine.output import Completion
 from engine.request import SamplingParams
 
 

@@ -6,18 +6,16 @@ that falls `max_lag_tokens` behind pauses only its own request, one that reads n
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import itertools
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
 from engine.detokenize import IncrementalDetokenizer
 from engine.grammar import GrammarCompiler, GrammarError
-from engine.request import FinishReason, Request, SamplingParams
+from engine.output import Delta, RequestHandle
+from engine.request import FinishReason, Request, RequestState, SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import SchedulerStats
 
@@ -34,131 +32,6 @@ ADMIT_WINDOW_S = 0.005
 ADMIT_WINDOW_CAP_S = 0.050
 
 
-@dataclass
-class Delta:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple] = field(default_factory=list)   # (token, logprob, top) per token
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    stop_sequence: str | None = None    # the stop string that ended it (finish_reason STOP)
-
-    def merge(self, later: "Delta") -> None:
-        self.text += later.text
-        self.token_ids += later.token_ids
-        self.logprobs += later.logprobs
-        self.finish_reason, self.error = later.finish_reason, later.error
-        self.stop_sequence = later.stop_sequence
-        self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    error: str | None = None
-    logprobs: list[tuple] = field(default_factory=list)
-
-
-class RequestHandle:
-    """The reader's end of one request's output buffer (sync or async iteration, cancel)."""
-
-    def __init__(self, loop: "EngineLoop", request_id: str, bounded: bool):
-        self.id = request_id
-        self.bounded = bounded
-        self._loop = loop
-        self._pending: deque[Delta] = deque()
-        self._cond = threading.Condition()
-        self._done = False
-        self._unread_tokens = 0
-        self.last_read = time.monotonic()
-        self._aio: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-
-    # -- loop side
-    def _push(self, delta: Delta) -> None:
-        with self._cond:
-            if not self._pending:   # the stall clock runs from when output waits, not from submit
-                self.last_read = time.monotonic()
-            self._pending.append(delta)
-            self._unread_tokens += len(delta.token_ids)
-            self._done = self._done or delta.finish_reason is not None
-            self._cond.notify_all()
-            aio = self._aio
-        if aio is not None:
-            aio[0].call_soon_threadsafe(aio[1].set)
-
-    @property
-    def lag(self) -> int:
-        return self._unread_tokens
-
-    @property
-    def finished(self) -> bool:
-        """The final delta is in the buffer (it may not have been read yet)."""
-        return self._done
-
-    # -- reader side
-    def _take(self) -> Delta | None:
-        if not self._pending:
-            return None
-        out = self._pending.popleft()
-        while self._pending:
-            out.merge(self._pending.popleft())
-        self._unread_tokens = 0
-        self.last_read = time.monotonic()
-        return out
-
-    def __iter__(self):
-        while True:
-            with self._cond:
-                while not self._pending:
-                    self._cond.wait()
-                delta = self._take()
-            self._loop.wake()
-            yield delta
-            if delta.finish_reason is not None:
-                return
-
-    async def __aiter__(self):
-        with self._cond:
-            self._aio = (asyncio.get_running_loop(), asyncio.Event())
-        while True:
-            event = self._aio[1]
-            with self._cond:
-                delta = self._take()
-                if delta is None:
-                    event.clear()
-            if delta is None:
-                await event.wait()
-                continue
-            self._loop.wake()
-            yield delta
-            if delta.finish_reason is not None:
-                return
-
-    def result(self) -> Completion:
-        total = Delta()
-        for delta in self:
-            total.merge(delta)
-        return Completion(total.text, total.token_ids, total.finish_reason, total.prompt_tokens,
-                          total.error, total.logprobs)
-
-    def cancel(self) -> None:
-        self._loop.cancel(self.id)
-
-
-@dataclass
-class _Live:
-    request: Request
-    handle: RequestHandle
-    detok: IncrementalDetokenizer
-    paused: bool = False
-    deadline: float | None = None       # monotonic time after which it stops (FinishReason.TIMEOUT)
-
-
 class EngineLoop:
     """Owns the scheduler. `start()` runs it on a thread of its own, `run(until)` in the calling
     thread while others submit and read; `run_until_idle()` runs what is queued inline."""
@@ -173,7 +46,9 @@ class EngineLoop:
         self.max_lag_tokens = max_lag_tokens
         self.timeout_s = timeout_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, RequestHandle] = {}    # admitted and not finished, by request id
+        self._unfinished = 0                        # submitted, final delta not yet pushed
+        self._count_lock = threading.Lock()
         self._ids = itertools.count()
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
@@ -183,13 +58,15 @@ class EngineLoop:
     # -- client API (any thread)
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                bounded: bool = True, client: str = "", after: str | None = None,
-               timeout_s: float | None = None) -> RequestHandle:
+               timeout_s: float | None = None, group: str | None = None) -> RequestHandle:
         """Queue a request. A prompt that can never run (too long, empty) or a full queue raises
         RequestRejected / QueueFull here, a grammar that does not compile GrammarError (compiled
         here, in the caller's thread, unless cached); a later rejection arrives as a final error
         delta. `after`: the id of a request with the same prompt (an earlier choice of the same
         completion) whose prompt this one waits for, so as to reuse its cached K/V blocks.
-        `timeout_s`: it stops with what it has (FinishReason.TIMEOUT) once it has run this long."""
+        `timeout_s`: it stops with what it has (FinishReason.TIMEOUT) once it has run this long.
+        `group`: an id shared by requests that `cancel(group)` stops together (a completion's
+        choices); a request is in its own group by default."""
         rid = request_id or f"req-{next(self._ids)}"
         self.scheduler.check(rid, len(prompt_ids))
         matcher = None
@@ -197,18 +74,39 @@ class EngineLoop:
             if self.grammars is None:
                 raise GrammarError("this engine was built without a grammar compiler")
             matcher = self.grammars.matcher(params.grammar)
-        handle = RequestHandle(self, rid, bounded)
+        now = time.monotonic()
         request = Request(id=rid, prompt_token_ids=tuple(prompt_ids), params=params,
                           eos_token_ids=self.eos_token_ids, client=client, matcher=matcher,
-                          after=after)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self._commands.put(("submit", (request, deadline), handle))
+                          after=after, arrival_time=now)
+        handle = RequestHandle(self, request, IncrementalDetokenizer(self.tokenizer, stop=params.stop),
+                               bounded=bounded, group=group,
+                               deadline=None if timeout_s is None else now + timeout_s)
+        with self._count_lock:
+            self._unfinished += 1
+        self._commands.put(("submit", handle, None))
         self.wake()
         return handle
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str | None) -> None:
+        """Stop a request, or every request of a group, by id; None: every live request."""
         self._commands.put(("cancel", request_id, None))
         self.wake()
+
+    def shed_waiting(self, error: str) -> None:
+        """Cancel every request that has not started yet (still waiting for admission), with `error`
+        in its final delta: a draining server's queued requests."""
+        self._commands.put(("shed", error, None))
+        self.wake()
+
+    def is_live(self, request_id: str) -> bool:
+        """An admitted request, or a group with one, not finished yet (any thread: the table is
+        copied in one step under the GIL)."""
+        return any(request_id in (h.id, h.group) for h in list(self._live.values()))
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted whose final delta is not in their buffer yet (any thread)."""
+        return self._unfinished
 
     def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
         """The scheduler's statistics, computed when asked (a step only bumps counters): by the
@@ -232,41 +130,51 @@ class EngineLoop:
             except queue.Empty:
                 return
             if kind == "submit":
-                self._admit(*arg, handle)
+                self._admit(arg)
             elif kind == "stats":
                 arg.set_result(self.scheduler.stats())
-            elif kind == "cancel" and arg in self._live:
-                self.scheduler.cancel(arg)
-                self._finish(arg, Delta(finish_reason=FinishReason.CANCELLED))
+            elif kind == "cancel":
+                for h in [h for h in self._live.values() if arg is None or arg in (h.id, h.group)]:
+                    self._stop(h, FinishReason.CANCELLED)
+            elif kind == "shed":
+                for h in [h for h in self._live.values() if h.request.state is RequestState.WAITING]:
+                    self._stop(h, FinishReason.CANCELLED, arg)
 
-    def _admit(self, request: Request, deadline: float | None, handle: RequestHandle) -> None:
+    def _admit(self, handle: RequestHandle) -> None:
         try:
-            self.scheduler.add(request)
+            self.scheduler.add(handle.request)
         except ValueError as e:      # RequestRejected / QueueFull carry the numbers
-            handle._push(Delta(finish_reason=FinishReason.ERROR, error=str(e),
-                               prompt_tokens=len(request.prompt_token_ids)))
+            self._finish(handle, Delta(finish_reason=FinishReason.ERROR, error=str(e)))
             return
-        detok = IncrementalDetokenizer(self.tokenizer, stop=request.params.stop)
-        self._live[request.id] = _Live(request, handle, detok, deadline=deadline)
+        self._live[handle.id] = handle
 
-    def _finish(self, rid: str, delta: Delta) -> None:
-        live = self._live.pop(rid)
-        delta.text += live.detok.finish() if delta.finish_reason is not FinishReason.ERROR else ""
-        delta.stop_sequence = live.detok.stop_sequence
-        delta.prompt_tokens = len(live.request.prompt_token_ids)
-        delta.completion_tokens = len(live.request.output_token_ids)
-        live.handle._push(delta)
+    def _stop(self, handle: RequestHandle, reason: FinishReason, error: str | None = None) -> None:
+        """Retire a live request from above the scheduler (cancel, timeout, stalled reader)."""
+        self.scheduler.finish(handle.id, reason)
+        self._finish(handle, Delta(finish_reason=reason, error=error))
+
+    def _finish(self, handle: RequestHandle, delta: Delta) -> None:
+        self._live.pop(handle.id, None)
+        delta.text += handle.detok.finish() if delta.finish_reason is not FinishReason.ERROR else ""
+        delta.stop_sequence = handle.detok.stop_sequence
+        delta.prompt_tokens = len(handle.request.prompt_token_ids)
+        delta.completion_tokens = len(handle.request.output_token_ids)
+        handle._push(delta)
+        with self._count_lock:
+            self._unfinished -= 1
 
     def _apply(self, events) -> None:
         for ev in events:
             live = self._live.get(ev.request_id)
             if live is None:
                 continue
-            delta = Delta(prompt_tokens=len(live.request.prompt_token_ids),
-                          completion_tokens=len(live.request.output_token_ids))
+            request = live.request
+            delta = Delta(prompt_tokens=len(request.prompt_token_ids),
+                          completion_tokens=len(request.output_token_ids))
             if ev.token is not None:
                 delta.token_ids.append(ev.token)
                 delta.logprobs.append((ev.token, ev.logprob, ev.top_logprobs))
+                delta.token_times.append(request.last_token_time)
                 delta.text = live.detok.push([ev.token])
                 if live.detok.stopped and ev.finished is None:
                     self.scheduler.finish(ev.request_id, FinishReason.STOP)
@@ -275,30 +183,25 @@ class EngineLoop:
                 delta.finish_reason = ev.finished or FinishReason.ERROR
                 delta.error = ev.error
             if delta.finish_reason is not None:
-                self._finish(ev.request_id, delta)
+                self._finish(live, delta)
             else:
-                live.handle._push(delta)
+                live._push(delta)
 
     def _police_readers(self) -> None:
         now = time.monotonic()
-        for rid, live in list(self._live.items()):
-            h = live.handle
-            if live.deadline is not None and now > live.deadline:
-                self.scheduler.finish(rid, FinishReason.TIMEOUT)
-                self._finish(rid, Delta(finish_reason=FinishReason.TIMEOUT))
+        for h in list(self._live.values()):
+            if h.deadline is not None and now > h.deadline:
+                self._stop(h, FinishReason.TIMEOUT)
                 continue
             if not h.bounded:
                 continue
+            paused = h.request.pause_requested
             if h.lag and now - h.last_read > self.timeout_s:
-                self.scheduler.cancel(rid)
-                self._finish(rid, Delta(finish_reason=FinishReason.CANCELLED,
-                                        error=f"reader stalled for over {self.timeout_s:g} s"))
-            elif not live.paused and h.lag > self.max_lag_tokens:
-                live.paused = True
-                self.scheduler.pause(rid)
-            elif live.paused and h.lag <= self.max_lag_tokens // 2:
-                live.paused = False
-                self.scheduler.resume(rid)
+                self._stop(h, FinishReason.CANCELLED, f"reader stalled for over {self.timeout_s:g} s")
+            elif not paused and h.lag > self.max_lag_tokens:
+                self.scheduler.pause(h.id)
+            elif paused and h.lag <= self.max_lag_tokens // 2:
+                self.scheduler.resume(h.id)
 
     def run_once(self) -> bool:
         """One iteration: commands, one engine step, outputs. Returns whether anything moved."""
@@ -360,8 +263,7 @@ class EngineLoop:
 
     def stop(self) -> None:
         """Cancel what is live and stop the thread; the scheduler ends with nothing in use."""
-        for rid in list(self._live):
-            self.cancel(rid)
+        self.cancel(None)
         if self._thread is None:
             self._drain_commands()
             return

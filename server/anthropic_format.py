@@ -3,7 +3,7 @@ tool_use), or its stream of events (message_start, content_block_start/delta/sto
 message_stop, and ping while there is nothing to say)."""
 from __future__ import annotations
 
-from engine.loop import Delta
+from engine.output import Delta
 from engine.request import FinishReason
 from server.anthropic_schemas import dumps_input
 from server.chat_output import ChatOutput, ChatPiece

@@ -1,5 +1,6 @@
 """The server's side of the engine: loads it on a thread (so /health answers 503 meanwhile),
-submits requests with errors mapped to HTTP, keeps the in-flight table and drains on shutdown."""
+submits requests with errors mapped to HTTP and drains on shutdown. Requests in flight are the
+engine loop's records (engine/output.py); a completion's choices are one group there."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +16,8 @@ from server.metrics import ServerMetrics
 from engine.stats import SchedulerStats
 
 log = logging.getLogger("pagedserve.server")
+# The final delta's error of a request cancelled by shutdown before it started: answered 503.
+SHED = "the server is shutting down; the request was not started"
 
 
 def served_names(model: str, aliases: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -45,8 +48,6 @@ class EngineHost:
         self.info = None                      # engine.client.EngineInfo once loaded
         self.load_error: str | None = None
         self.draining = False
-        self.shed: set[str] = set()           # engine request ids cancelled by shutdown: answered 503
-        self.live: dict[str, list] = {}       # completion id -> its choices' RequestHandles
         self.metrics = ServerMetrics(self.stats)
         self._build = build
         self._loader: threading.Thread | None = None
@@ -77,19 +78,17 @@ class EngineHost:
     def drain(self) -> None:
         """Stop admitting; cancel queued requests (their clients get 503); running ones go on."""
         self.draining = True
-        if self.client is None:
-            return
-        states = {r.id: r.state for r in self.client.stats().requests}
-        for handles in list(self.live.values()):
-            for handle in handles:
-                if states.get(handle.id, "waiting") == "waiting":   # not in the table yet = queued
-                    self.shed.add(handle.id)
-                    handle.cancel()
+        if self.client is not None:
+            self.client.shed_waiting(SHED)
+
+    @property
+    def in_flight(self) -> int:
+        """Engine requests not finished yet."""
+        return 0 if self.client is None else self.client.num_unfinished
 
     def cancel_all(self) -> None:
-        for handles in list(self.live.values()):
-            for handle in handles:
-                handle.cancel()
+        if self.client is not None:
+            self.client.cancel(None)
 
     def close(self) -> None:
         if self.client is not None:
@@ -171,6 +170,7 @@ class EngineHost:
                 handles.append(engine.submit(prompt_ids, params=choice_params,
                                              request_id=completion_id if i == 0 else f"{completion_id}-{i}",
                                              client=client, after=completion_id if i else None,
+                                             group=completion_id,
                                              timeout_s=self.server_cfg.request_timeout_s or None))
         except (QueueFull, RequestRejected, GrammarError) as e:
             for handle in handles:
@@ -179,22 +179,13 @@ class EngineHost:
                 raise APIError(503, str(e), code="queue_full") from None
             code = "context_length_exceeded" if isinstance(e, RequestRejected) else "invalid_value"
             raise APIError(400, str(e), param=param, code=code) from None
-        self.live[completion_id] = handles
         return handles
-
-    def release(self, completion_id: str) -> None:
-        for handle in self.live.pop(completion_id, ()):
-            self.shed.discard(handle.id)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a completion (all its choices) or any engine request by id."""
         if self.client is None:
             return False
-        if request_id in self.live:
-            for handle in self.live[request_id]:
-                handle.cancel()
-            return True
-        known = any(r.id == request_id for r in self.stats().requests)
+        known = self.client.is_live(request_id)
         if known:
             self.client.cancel(request_id)
         return known

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field, model_validator
 
-from engine.loop import Delta
+from engine.output import Delta
 from engine.request import FinishReason
 from server.chat import compile_grammar
 from server.engine_host import EngineHost, client_label

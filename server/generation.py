@@ -1,7 +1,7 @@
-"""Reading one completion's deltas for HTTP (one engine request per choice): latency metrics as the
-client sees them, then either SSE chunks or one whole answer. A completion that ends here for any
-reason (disconnect, error, shutdown) has its unfinished choices cancelled in the engine and leaves
-the server's table."""
+"""Reading one completion's deltas for HTTP (one engine request per choice): latency metrics from
+the engine's own token times, then either SSE chunks or one whole answer. A completion that ends
+here for any reason (disconnect, error, shutdown) has its unfinished choices cancelled in the
+engine."""
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse
 
-from engine.loop import Delta
+from engine.output import Delta
 from engine.request import FinishReason
-from server.engine_host import EngineHost
+from server.engine_host import SHED, EngineHost
 from server.errors import APIError
 from server.sse import EventStream, wait_for_disconnect
 
@@ -23,26 +23,33 @@ class Generation:
         self.id = completion_id
         self.handles = handles
         self.fmt = fmt                  # server/wire_format.py WireFormat
-        self._arrival = time.monotonic()
         self._last_token: list[float | None] = [None] * len(handles)
         self._finished = [False] * len(handles)
-        self._shed = False          # cancelled by shutdown before it started: answered 503
 
     def _observe(self, index: int, delta: Delta) -> None:
-        metrics, now, n = self.host.metrics, time.monotonic(), len(delta.token_ids)
+        """TTFT and ITL from when the engine produced each token (engine/output.py records them),
+        so a merged delta still counts each token's own gap."""
+        metrics, arrival = self.host.metrics, self.handles[index].request.arrival_time
         last = self._last_token[index]
-        if n and last is None:
-            metrics.ttft.observe(now - self._arrival)
-        elif n:
-            for _ in range(n):      # a merged delta: its tokens shared the wait
-                metrics.itl.observe((now - last) / n)
-        if n:
-            self._last_token[index] = now
+        for t in delta.token_times:
+            if last is None:
+                metrics.ttft.observe(t - arrival)
+            else:
+                metrics.itl.observe(t - last)
+            last = t
+        self._last_token[index] = last
         if delta.finish_reason is not None:
             self._finished[index] = True
-            self._shed |= self.handles[index].id in self.host.shed   # before release forgets it
             metrics.finished.labels(delta.finish_reason.value).inc()
-            metrics.e2e.observe(now - self._arrival)
+            metrics.e2e.observe(time.monotonic() - arrival)
+
+    def close(self) -> None:
+        """Cancel the choices that have not finished (the reader stopped early); safe to repeat."""
+        for i, (handle, finished) in enumerate(zip(self.handles, self._finished)):
+            if not finished:
+                self._finished[i] = True
+                handle.cancel()
+                self.host.metrics.finished.labels("cancelled").inc()
 
     async def _merged(self) -> AsyncIterator[tuple[int, Delta]]:
         if len(self.handles) == 1:      # the common case pays for no tasks
@@ -72,16 +79,11 @@ class Generation:
                 self._observe(index, delta)
                 yield index, delta
         finally:
-            for handle, finished in zip(self.handles, self._finished):
-                if not finished:        # the client left (or stalled) before the end
-                    handle.cancel()
-                    self.host.metrics.finished.labels("cancelled").inc()
-            self.host.release(self.id)
+            self.close()
 
     def _failure(self, delta: Delta) -> APIError | None:
-        if delta.finish_reason is FinishReason.CANCELLED and self._shed:
-            return APIError(503, "the server is shutting down; the request was not started",
-                            code="shutting_down")
+        if delta.finish_reason is FinishReason.CANCELLED and delta.error == SHED:
+            return APIError(503, SHED, code="shutting_down")
         if delta.finish_reason is FinishReason.CANCELLED:     # the operator's DELETE /v1/requests/{id}
             return APIError(503, f"the request was cancelled on the server after {delta.completion_tokens} "
                                  f"generated tokens{': ' + delta.error if delta.error else ''}",
@@ -140,7 +142,7 @@ async def answer(request, host: EngineHost, fmt, completion_id: str, handles: li
     """The completion's answer in `fmt`: an SSE stream, or one JSON body once it is done."""
     generation = Generation(host, completion_id, handles, fmt)
     if stream:
-        return EventStream(generation.events(include_usage), on_close=lambda: host.release(completion_id),
+        return EventStream(generation.events(include_usage), on_close=generation.close,
                            send_timeout_s=host.engine_cfg.client_timeout_s,
                            keepalive_s=host.server_cfg.sse_keepalive_s, keepalive=fmt.KEEPALIVE,
                            open_streams=host.metrics.open_streams)

@@ -2,7 +2,7 @@
 choice, tool calls, reasoning, logprobs."""
 from __future__ import annotations
 
-from engine.loop import Delta
+from engine.output import Delta
 from engine.request import FinishReason
 from server.chat_output import ChatOutput
 from server.sse import sse_event

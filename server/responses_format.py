@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from engine.loop import Delta
+from engine.output import Delta
 from engine.request import FinishReason
 from server.chat_output import ChatOutput, ChatPiece
 from server.sse import sse_event

@@ -39,7 +39,7 @@ class _Server(uvicorn.Server):
         """uvicorn stops listening once should_exit is set: set it when the running requests are done
         (or the grace period is over and they are cancelled)."""
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        while self.engine_host.live and time.monotonic() < deadline:
+        while self.engine_host.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.engine_host.cancel_all()
         self.should_exit = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from engine.loop import Delta
+from engine.output import Delta
 
 
 class WireFormat:

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine.loop import Delta
+from engine.output import Delta
 from engine.request import FinishReason
 from server.chat_output import ChatOutput
 from server.errors import APIError
