@@ -3,7 +3,7 @@
 A decode step at B rows is padded up to the next bucket: padding rows have zero new tokens, context 0, slot
 -1 for K/V and recurrent state, so every op skips them (see ops/*: "padding rows touch nothing"), and their
 tokens sit past query_start_loc[-1], whose outputs are zeros. The step's tensors are copied into the
-graph's static input buffers and the graph is replayed. A graph bakes in the addresses of everything it
+graph's static input buffers in place (StaticInputs: no per-step allocation) and the graph is replayed. A graph bakes in the addresses of everything it
 touches, so its key holds every buffer that can differ between replays: the bucket, the table width, and
 the identity (data pointer, shape, dtype) of each external tensor passed in (K/V cache layers, state pools).
 If the pool is reallocated, the old graphs are simply never hit again.
@@ -13,7 +13,7 @@ never do. Prefill and mixed steps run eagerly (`graph_key` returns None for them
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -58,22 +58,38 @@ def graph_key(batch: ForwardBatch, external: tuple[Any, ...], with_state: bool =
     return GraphKey(bucket, width, identities, with_state)
 
 
-def pad_decode_batch(batch: ForwardBatch, rows: int, table_width: int) -> ForwardBatch:
-    """`batch` (R decode rows) padded to `rows` rows and `table_width` table columns with rows that touch
-    nothing: no new token (qsl stays at R), context 0, K/V slot -1, their logits index pointing at row 0."""
-    real = batch.context_lens.shape[0]
-    pad = rows - real
+class StaticInputs:
+    """A graph's input buffers, allocated once for (rows, table_width) and loaded in place each step:
+    the step's R decode rows first, then padding rows that touch nothing (no new token: qsl stays at
+    R; context 0; K/V and state slot -1; logits index 0). Nothing is allocated per step."""
 
-    def grow(t: Tensor, fill: int) -> Tensor:
-        return torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)])
+    _FILL = {"input_ids": 0, "positions": 0, "slot_mapping": -1, "context_lens": 0, "logits_indices": 0}
 
-    tables = batch.block_tables.new_zeros(rows, table_width)
-    tables[:real, :batch.block_tables.shape[1]] = batch.block_tables
-    return ForwardBatch(
-        input_ids=grow(batch.input_ids, 0), positions=grow(batch.positions, 0),
-        slot_mapping=grow(batch.slot_mapping, -1), block_tables=tables,
-        query_start_loc=grow(batch.query_start_loc, real), context_lens=grow(batch.context_lens, 0),
-        logits_indices=grow(batch.logits_indices, 0))
+    def __init__(self, like: ForwardBatch, rows: int, table_width: int, with_state: bool):
+        def buffer(t: Tensor, shape: tuple[int, ...], fill: int) -> Tensor:
+            return torch.full(shape, fill, dtype=t.dtype, device=t.device)
+        self.batch = ForwardBatch(
+            **{name: buffer(getattr(like, name), (rows,), fill) for name, fill in self._FILL.items()},
+            query_start_loc=buffer(like.query_start_loc, (rows + 1,), 0),
+            block_tables=buffer(like.block_tables, (rows, table_width), 0))
+        self.state_slots = (torch.full((rows,), -1, dtype=torch.int32, device=like.input_ids.device)
+                            if with_state else None)
+
+    def load(self, batch: ForwardBatch, state_slots: Tensor | None = None) -> ForwardBatch:
+        real, width = batch.context_lens.shape[0], batch.block_tables.shape[1]
+        dst = self.batch
+        for name, fill in self._FILL.items():
+            getattr(dst, name)[:real].copy_(getattr(batch, name), non_blocking=True)
+            getattr(dst, name)[real:].fill_(fill)
+        dst.query_start_loc[:real + 1].copy_(batch.query_start_loc, non_blocking=True)
+        dst.query_start_loc[real + 1:].fill_(real)
+        dst.block_tables[:real, :width].copy_(batch.block_tables, non_blocking=True)
+        dst.block_tables[:real, width:].zero_()
+        dst.block_tables[real:].zero_()
+        if self.state_slots is not None:
+            self.state_slots[:real].copy_(state_slots, non_blocking=True)
+            self.state_slots[real:].fill_(-1)
+        return dst
 
 
 class _Graph:
@@ -81,30 +97,22 @@ class _Graph:
     rows only (slots -1, no tokens), so they write no K/V and advance no recurrent state: a real step runs
     only through `replay`."""
 
-    def __init__(self, forward: Callable[..., Tensor], shapes: ForwardBatch, external: tuple[Any, ...],
-                 with_state: bool, warmups: int, pool: Any):
-        neutral = {"slot_mapping": -1}
-        self.inputs = ForwardBatch(**{f.name: torch.full_like(getattr(shapes, f.name), neutral.get(f.name, 0))
-                                      for f in fields(ForwardBatch)})
-        rows = shapes.context_lens.shape[0]
-        self.state_slots = (torch.full((rows,), -1, dtype=torch.int32, device=shapes.input_ids.device)
-                            if with_state else None)
-        args = external if self.state_slots is None else (*external, self.state_slots)
+    def __init__(self, forward: Callable[..., Tensor], inputs: StaticInputs, external: tuple[Any, ...],
+                 warmups: int, pool: Any):
+        self.inputs = inputs
+        args = external if inputs.state_slots is None else (*external, inputs.state_slots)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(warmups):   # lets torch.compile / Triton autotuning finish outside the capture
-                forward(self.inputs, *args)
+                forward(inputs.batch, *args)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.output = forward(self.inputs, *args)
+            self.output = forward(inputs.batch, *args)
 
     def replay(self, batch: ForwardBatch, state_slots: Tensor | None) -> Tensor:
-        for f in fields(ForwardBatch):
-            getattr(self.inputs, f.name).copy_(getattr(batch, f.name), non_blocking=True)
-        if state_slots is not None:
-            self.state_slots.copy_(state_slots, non_blocking=True)
+        self.inputs.load(batch, state_slots)
         self.graph.replay()
         return self.output
 
@@ -125,13 +133,10 @@ class DecodeGraphs:
         key = graph_key(batch, external, state_slots is not None, self.buckets)
         if key is None or batch.input_ids.device.type != "cuda":
             return None
-        padded = pad_decode_batch(batch, key.rows, key.table_width)
-        slots = None if state_slots is None else torch.cat(
-            [state_slots, state_slots.new_full((key.rows - state_slots.shape[0],), -1)])
         graph = self.graphs.get(key)
         if graph is None:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            graph = self.graphs[key] = _Graph(self.forward, padded, external, key.with_state, self.warmups,
-                                              self.pool)
-        return graph.replay(padded, slots)[:batch.input_ids.shape[0]]
+            inputs = StaticInputs(batch, key.rows, key.table_width, key.with_state)
+            graph = self.graphs[key] = _Graph(self.forward, inputs, external, self.warmups, self.pool)
+        return graph.replay(batch, state_slots)[:batch.input_ids.shape[0]]

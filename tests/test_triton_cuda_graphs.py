@@ -1,5 +1,5 @@
 """The CUDA-graph decode runner's CPU-checkable half: which graph a batch replays, and that the padding rows
-it adds to reach a bucket change nothing (outputs of the real rows, K/V cache), and that the runner takes
+its static buffers hold to reach a bucket change nothing (outputs of the real rows, K/V cache), and that the runner takes
 decode-only steps from its graphs. Capture and replay themselves need a GPU and run in `make gpu-check`."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 import ops  # noqa: F401
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphs, graph_key, pad_decode_batch
+from engine.cuda_graphs import DecodeGraphs, StaticInputs, graph_key
 from engine.models.batch import ForwardBatch
 from tiny_models import make_hybrid_checkpoint
 
@@ -43,12 +43,17 @@ def test_padding_rows_leave_outputs_and_cache_unchanged():
     kv = (torch.randn(12, 16, 2, 16), torch.randn(12, 16, 2, 16))
     padded_kv = (kv[0].clone(), kv[1].clone())
     expected = _forward(batch, kv)
-    padded = pad_decode_batch(batch, rows=8, table_width=4)
+    inputs = StaticInputs(batch, rows=8, table_width=4, with_state=True)
+    inputs.load(_decode_batch([9, 2, 30, 31, 40, 7], width=4), torch.arange(6, dtype=torch.int32))
+    padded = inputs.load(batch, torch.tensor([4, 0, 2], dtype=torch.int32))   # over a bigger step's rows
     actual = _forward(padded, padded_kv)
     torch.testing.assert_close(actual[:3], expected)
     assert torch.equal(padded_kv[0], kv[0]) and torch.equal(padded_kv[1], kv[1])
     assert padded.query_start_loc.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]
     assert (padded.slot_mapping[3:] == -1).all() and (padded.context_lens[3:] == 0).all()
+    assert (padded.block_tables[:, 3] == 0).all() and (padded.block_tables[3:] == 0).all()
+    assert inputs.state_slots.tolist() == [4, 0, 2, -1, -1, -1, -1, -1]
+    assert padded is inputs.batch       # loaded in place: the graph's buffers, no new tensors
 
 
 def test_graph_key_buckets_rows_and_width_and_names_every_external_buffer():
