@@ -16,8 +16,7 @@ from engine.loading.model_config import ModelConfig, parse_model_config
 from engine.loading.tokenizer import load_tokenizer
 from engine.loop import EngineLoop
 from engine.models.linear import LinearLoader
-from engine.models.qwen3 import DenseDecoder
-from engine.models.qwen3_5 import HybridDecoder
+from engine.models.decoder import DecoderModel, build_decoder
 from engine.runner import ModelRunner, PrefillBudget
 from engine.scheduler import Scheduler
 
@@ -73,7 +72,7 @@ class Engine:
     model_config: ModelConfig
     model_path: str
     tokenizer: object
-    model: DenseDecoder | HybridDecoder
+    model: DecoderModel
     pool: KVPool
     runner: ModelRunner
     scheduler: Scheduler
@@ -129,14 +128,9 @@ def _build(cfg: EngineConfig, progress) -> Engine:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos += (tokenizer.eos_token_id,)
     max_len = resolve_max_model_len(cfg, model_cfg)
-    if model_cfg.is_hybrid:
-        model = HybridDecoder(model_cfg, ckpt, dtype, device,
-                              LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))
-        kv_layers, state_shape = model.num_kv_layers, model.state_shape
-    else:
-        model = DenseDecoder(model_cfg, ckpt, dtype, device,
-                             LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))
-        kv_layers, state_shape = model_cfg.num_layers, None
+    model = build_decoder(model_cfg, ckpt, dtype, device,
+                          LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))
+    kv_layers, state_shape = model.num_kv_layers, model.state_shape
     ckpt.close()
     num_slots = plan_num_state_slots(cfg.max_concurrency, cfg.state_spare_slots) if state_shape else 0
     shape = KVShape(kv_layers, model_cfg.num_kv_heads, model_cfg.head_dim, cfg.block_size, dtype)

@@ -64,6 +64,9 @@ def percentile(samples, p: float) -> float | None:
     return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
+MAX_STEP_SAMPLES = 1 << 16
+
+
 class StatsRecorder:
     """Running totals plus recent samples: per-step token counts within `window_s`, and the last
     `max_samples` time-to-first-token and inter-token latencies."""
@@ -73,7 +76,9 @@ class StatsRecorder:
         self._clock = clock
         self._window_s = window_s
         self._start = clock()
-        self._steps: deque[tuple[float, int, int]] = deque()
+        # pruned by time only when rates are asked for, so a step's work never depends on how long the
+        # last steps took; the bound caps what is kept while nobody asks (a minute of 1 ms steps)
+        self._steps: deque[tuple[float, int, int]] = deque(maxlen=MAX_STEP_SAMPLES)
         self.ttft: deque[float] = deque(maxlen=max_samples)
         self.itl: deque[float] = deque(maxlen=max_samples)
         self.prompt_tokens_total = 0
@@ -82,9 +87,7 @@ class StatsRecorder:
     def record_step(self, prompt_tokens: int, generation_tokens: int) -> None:
         self.prompt_tokens_total += prompt_tokens
         self.generation_tokens_total += generation_tokens
-        now = self._clock()
-        self._steps.append((now, prompt_tokens, generation_tokens))
-        self._forget_before(now - self._window_s)
+        self._steps.append((self._clock(), prompt_tokens, generation_tokens))
 
     def rates(self) -> tuple[float, float]:
         """(prompt tok/s, generation tok/s) over the window, or since start if that is shorter."""

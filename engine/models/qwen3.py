@@ -77,6 +77,12 @@ class DenseDecoder:
                                     cfg.rope_theta).to(device)
 
     @property
+    def num_kv_layers(self) -> int:
+        return self.cfg.num_layers
+
+    state_shape = None      # no recurrent layers
+
+    @property
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
         for layer in self.layers:
