@@ -8,9 +8,11 @@ tokens up to the model's vocab size as llama.cpp does.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType, quants
 from safetensors.numpy import load_file
@@ -19,21 +21,14 @@ from tiny_models import CHAT_TEMPLATE, make_checkpoint
 
 QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
-_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_LAYER = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-}
+@functools.lru_cache(maxsize=None)
+def _name_map(arch: str, layers: int) -> gguf.TensorNameMap:
+    return gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), layers)
 
 
-def gguf_name(hf_name: str) -> str:
-    stem, _, kind = hf_name.rpartition(".")
-    if stem in _GLOBAL:
-        return f"{_GLOBAL[stem]}.{kind}"
-    _, _, layer, module = stem.split(".", 3)
-    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+def gguf_name(arch: str, layers: int, hf_name: str) -> str:
+    """The GGUF name llama.cpp's converter gives an HF tensor: the gguf package's name map for `arch`."""
+    return _name_map(arch, layers).get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
 
 def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -115,7 +110,7 @@ def write_gguf(directory: Path, arch: str, qtype: str, *, tied: bool = False, pr
         module = name.split(".")[-2]
         if arch == "llama" and module in heads:
             values = llama_cpp_permute(values, heads[module])
-        _add_tensor(writer, gguf_name(name), values, qtype)
+        _add_tensor(writer, gguf_name(arch, config["num_hidden_layers"], name), values, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

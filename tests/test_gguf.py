@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import engine.loading.gguf as gguf_module
+import engine.loading.gguf_weights as gguf_weights
 from engine.loading.gguf import GGUFError, gguf_to_hf_dir
 from engine.loading.model_config import parse_model_config
 from gguf_writer import QUANT_TYPES, write_gguf
@@ -127,8 +128,8 @@ def test_bfloat16_entry_is_rounded_float32(written, cache):
 
 
 def test_shards_row_bands_and_progress(written, cache, monkeypatch):
-    monkeypatch.setattr(gguf_module, "SHARD_BYTES", 64 * 1024)
-    monkeypatch.setattr(gguf_module, "DEQUANT_BAND_ELEMENTS", 1000)  # 15-row bands, a short last one
+    monkeypatch.setattr(gguf_weights, "SHARD_BYTES", 64 * 1024)
+    monkeypatch.setattr(gguf_weights, "DEQUANT_BAND_ELEMENTS", 1000)  # 15-row bands, a short last one
     seen = []
     path = written["qwen2", "Q8_0"]
     converted = gguf_to_hf_dir(path, "float32", cache_root=cache, progress=lambda *a: seen.append(a))
@@ -200,9 +201,17 @@ def test_damaged_entry_is_rebuilt(written, cache, monkeypatch, damage):
     assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []
 
 
-def _tiny_file(path: Path, arch: str, tensors: dict[str, np.ndarray], raw: dict | None = None) -> Path:
+def _tiny_file(path: Path, arch: str, tensors: dict[str, np.ndarray], raw: dict | None = None,
+               hidden: int | None = None) -> Path:
+    """One block; with `hidden`, the metadata a config needs too."""
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(1)
+    if hidden:
+        writer.add_embedding_length(hidden)
+        writer.add_head_count(2)
+        writer.add_feed_forward_length(hidden)
+        writer.add_context_length(64)
+        writer.add_layer_norm_rms_eps(1e-6)
     for name, values in tensors.items():
         writer.add_tensor(name, values, raw_dtype=(raw or {}).get(name))
     writer.write_header_to_file()
@@ -233,8 +242,13 @@ def test_unsupported_tensor_type_and_name(tmp_path, cache):
     path = _tiny_file(tmp_path / "q2k.gguf", "qwen2", {"token_embd.weight": embed}, {"token_embd.weight": q2k})
     with pytest.raises(GGUFError, match=r"q2k\.gguf: tensor 'token_embd.weight' has type Q2_K.*supported: .*Q4_K"):
         gguf_to_hf_dir(path, cache_root=cache)
-    path = _tiny_file(tmp_path / "rope.gguf", "llama", {"rope_freqs.weight": np.ones(16, np.float32)})
-    with pytest.raises(GGUFError, match=r"rope\.gguf: tensor 'rope_freqs.weight' is not part of a supported llama"):
+    tensors = {"token_embd.weight": np.zeros((8, 32), np.float32), "rope_freqs.weight": np.ones(16, np.float32)}
+    path = _tiny_file(tmp_path / "rope.gguf", "llama", tensors, hidden=32)
+    with pytest.raises(GGUFError, match=r"rope\.gguf: tensor 'rope_freqs.weight' is not part of a supported llama "
+                                        r"model \(known: blk\.N\.attn_k\.weight, .*, token_embd\.weight\)"):
+        gguf_to_hf_dir(path, cache_root=cache)
+    path = _tiny_file(tmp_path / "bare.gguf", "llama", {"token_embd.weight": tensors["token_embd.weight"]}, hidden=32)
+    with pytest.raises(GGUFError, match=r"bare\.gguf: tensor 'output_norm\.weight' is missing"):
         gguf_to_hf_dir(path, cache_root=cache)
     with pytest.raises(GGUFError, match=r"dtype 'int8'.*'bfloat16'"):
         gguf_to_hf_dir(path, "int8", cache_root=cache)

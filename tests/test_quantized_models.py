@@ -23,6 +23,7 @@ from engine.models.linear import LinearLoader, LinearParts, embedding, linear, w
 from engine.models.qwen3 import DenseDecoder
 import engine.loading.gguf as gguf_module
 from engine.loading.gguf import gguf_to_hf_dir
+from engine.loading.gguf_tensors import tensor_plan
 from gguf_writer import write_gguf
 from tiny_models import whole_prompt_batch
 from ops.quant_linear import quant_linear
@@ -78,7 +79,9 @@ def test_kept_checkpoint_holds_the_widened_weights(path, tmp_path):
     cache = tmp_path / "cache"
     kept = open_checkpoint(gguf_to_hf_dir(path, "float32", cache_root=cache, keep_quantized=True))
     widened = load_file(str(gguf_to_hf_dir(path, "float32", cache_root=cache) / "model.safetensors"))
-    types = {gguf_module._hf_name(t.name): t.tensor_type for t in GGUFReader(path).tensors}
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    types = {p.name: p.sources[0].tensor_type for p in tensor_plan(reader, arch, kept.config)}
     quantized = [name for name in widened if kept.is_quantized(name)]
     embed = "model.embed_tokens.weight"
     assert quantized and kept.is_quantized(embed) == (types[embed] in gguf_quant.KEPT_TYPES)

@@ -230,11 +230,13 @@ def make_hybrid_checkpoint(
     top_k: int = 2,
     moe_intermediate: int = 32,
     shared_intermediate: int = 48,
+    mlp_only_layers: tuple[int, ...] = (0,),
     vocab: int | None = None,
     max_pos: int = 512,
     seed: int = 0,
 ) -> Path:
-    """Write a random checkpoint of a hybrid (Gated DeltaNet + gated attention) or MoE architecture."""
+    """Write a random checkpoint of a hybrid (Gated DeltaNet + gated attention) or MoE architecture.
+    `mlp_only_layers`: Qwen3-Next's layers with a dense MLP (llama.cpp's qwen3next has none)."""
     import transformers
 
     if arch not in HYBRID_ARCHITECTURES:
@@ -261,8 +263,8 @@ def make_hybrid_checkpoint(
                           shared_expert_intermediate_size=shared_intermediate)
         if arch != "qwen3_5_moe":
             kwargs.update(intermediate_size=intermediate)
-        if arch == "qwen3_next":    # layer 0 keeps a dense MLP: mlp_only_layers must be honoured
-            kwargs.update(mlp_only_layers=[0], norm_topk_prob=True)
+        if arch == "qwen3_next":    # by default layer 0 keeps a dense MLP: mlp_only_layers must be honoured
+            kwargs.update(mlp_only_layers=list(mlp_only_layers), norm_topk_prob=True)
     text_config = getattr(transformers, config_name)(**kwargs)
     if arch == "qwen3_5_vl":
         vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=hidden,

@@ -79,11 +79,14 @@ class Checkpoint:
     def is_quantized(self, name: str) -> bool:
         return self.has(group_tensor_names(name)[0])
 
-    def get_linear(self, name: str, shape: tuple[int, int], dtype: torch.dtype):
+    def get_linear(self, name: str, shape: tuple[int, int], dtype: torch.dtype, rows: torch.Tensor | None = None):
         """A linear layer's weight: a QuantizedWeight when the checkpoint keeps it in group form,
-        else the dense tensor in `dtype`."""
+        else the dense tensor in `dtype`. `rows` (int64 indices) picks and orders the stored rows; in
+        group form before packing, since each row's values and factors stand alone."""
+        def picked(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if rows is None or t is None else t.index_select(0, rows)
         if not self.is_quantized(name):
-            return self.get(name, shape, dtype)
+            return picked(self.get(name, shape, dtype))
         from ops.quant_weight import GROUP, HALF, SUPER, QuantError, QuantizedWeight
 
         values, scales, mins, supers = group_tensor_names(name)
@@ -102,8 +105,8 @@ class Checkpoint:
             factors = [None if t is None else t.float() for t in factors]
         try:
             return QuantizedWeight.from_groups(
-                q, factors[0], factors[1], bits,
-                self._read(supers, (shape[0], groups[1] // SUPER, 1 + self.has(mins))) if two_level else None)
+                picked(q), picked(factors[0]), picked(factors[1]), bits,
+                picked(self._read(supers, (shape[0], groups[1] // SUPER, 1 + self.has(mins))) if two_level else None))
         except QuantError as e:
             raise CheckpointError(f"{self._locate(values)[0]}: weight {name!r}: {e}") from None
 

@@ -20,23 +20,20 @@ class GatedAttention:
         self.gate_size = self.q_size if cfg.gated_attention else 0
         self.scale = d ** -0.5
 
-        def q_rows(suffix: str, *tail: int) -> list[torch.Tensor]:
-            """[query rows, gate rows]: the checkpoint interleaves them per head (query d, gate d)."""
-            w = get(prefix + "q_proj." + suffix, self.q_size + self.gate_size, *tail)
-            if not cfg.gated_attention:
-                return [w, w.new_empty((0, *tail))]
-            w = w.view(heads, 2, d, *tail)
-            return [w[:, 0].reshape(self.q_size, *tail), w[:, 1].reshape(self.q_size, *tail)]
+        # the checkpoint's q_proj interleaves query and gate rows per head (query d, gate d): the fused
+        # projection takes [queries, k, v, gates], each part as rows picked from a stored tensor
+        q_out = self.q_size + self.gate_size
+        query, *gate = (half.reshape(-1) for half in torch.arange(q_out).view(heads, -1, d).unbind(1))
+        parts = [(prefix + "q_proj.", q_out, query), (prefix + "k_proj.", self.kv_size, None),
+                 (prefix + "v_proj.", self.kv_size, None), *((prefix + "q_proj.", q_out, g) for g in gate)]
 
-        def proj(suffix: str, *tail: int) -> torch.Tensor:
-            query, gate = q_rows(suffix, *tail)
-            return torch.cat([query, get(prefix + "k_proj." + suffix, self.kv_size, *tail),
-                              get(prefix + "v_proj." + suffix, self.kv_size, *tail), gate])
-
-        self.qkvg_w = linears.adopt(proj("weight", h))
-        self.qkvg_b = proj("bias") if cfg.qkv_bias else None
+        def bias(module: str, n: int, rows: torch.Tensor | None) -> torch.Tensor:
+            b = get(module + "bias", n)
+            return b if rows is None else b[rows]
+        self.qkvg_w = linears.assemble([(module + "weight", n, h, rows) for module, n, rows in parts])
+        self.qkvg_b = torch.cat([bias(*part) for part in parts]) if cfg.qkv_bias else None
         self.q_norm, self.k_norm = norm(prefix + "q_norm.weight", d), norm(prefix + "k_norm.weight", d)
-        self.o_w = linears.adopt(get(prefix + "o_proj.weight", h, self.q_size))
+        self.o_w = linears.assemble([(prefix + "o_proj.weight", h, self.q_size)])
         self.tensors = [t for t in (self.qkvg_w, self.qkvg_b, self.q_norm, self.k_norm, self.o_w) if t is not None]
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv, cos_sin: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The linear-attention (Gated DeltaNet) layer of Qwen3-Next / Qwen3.5, over a flat batch with state slots.
 
 All input projections run as one GEMM. Qwen3-Next's fused `in_proj_qkvz` / `in_proj_ba` interleave the
-projections per key-head group; their rows are reordered at load into Qwen3.5's split layout (all q, all k,
-all v, all z, then b, a), so one forward serves both.
+projections per key-head group; their rows are reordered at load (dense or in group form) into Qwen3.5's
+split layout (all q, all k, all v, all z, then b, a), so one forward serves both.
 """
 from __future__ import annotations
 
@@ -34,25 +34,25 @@ class GatedDeltaNet:
         self.key_dim, self.value_dim, self.v_heads = hk * dk, hv * dv, hv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         if cfg.fused_linear_proj:
+            # per key head: [q, k, v, z] rows in in_proj_qkvz and [b, a] rows in in_proj_ba
             group = hv // hk
-            qkvz = get(prefix + "in_proj_qkvz.weight", self.conv_dim + self.value_dim, h)
-            qkvz = qkvz.view(hk, 2 * dk + 2 * group * dv, h)
-            q, k, v, z = qkvz.split([dk, dk, group * dv, group * dv], dim=1)
-            ba = get(prefix + "in_proj_ba.weight", 2 * hv, h).view(hk, 2 * group, h)
-            b, a = ba.split([group, group], dim=1)
-            parts = [x.reshape(-1, h) for x in (q, k, v, z, b, a)]
+            qkvz = torch.arange(self.conv_dim + self.value_dim).view(hk, -1).split([dk, dk, group * dv, group * dv], 1)
+            ba = torch.arange(2 * hv).view(hk, -1).split([group, group], 1)
+            parts = [(prefix + "in_proj_qkvz.weight", self.conv_dim + self.value_dim, h,
+                      torch.cat([rows.reshape(-1) for rows in qkvz])),
+                     (prefix + "in_proj_ba.weight", 2 * hv, h, torch.cat([rows.reshape(-1) for rows in ba]))]
         else:
-            parts = [get(prefix + "in_proj_qkv.weight", self.conv_dim, h),
-                     get(prefix + "in_proj_z.weight", self.value_dim, h),
-                     get(prefix + "in_proj_b.weight", hv, h), get(prefix + "in_proj_a.weight", hv, h)]
-        self.in_w = linears.adopt(torch.cat(parts))
+            parts = [(prefix + "in_proj_qkv.weight", self.conv_dim, h),
+                     (prefix + "in_proj_z.weight", self.value_dim, h),
+                     (prefix + "in_proj_b.weight", hv, h), (prefix + "in_proj_a.weight", hv, h)]
+        self.in_w = linears.assemble(parts)
         kernel = cfg.linear_conv_kernel_dim
         self.conv_w = get(prefix + "conv1d.weight", self.conv_dim, 1, kernel).reshape(self.conv_dim, kernel)
         # HF adds dt_bias (in the model dtype) to fp32 inputs: round through the dtype, keep fp32
         self.dt_bias = get(prefix + "dt_bias", hv).float()
         self.neg_a = -get(prefix + "A_log", hv).float().exp()
         self.norm_w = get(prefix + "norm.weight", dv)
-        self.out_w = linears.adopt(get(prefix + "out_proj.weight", h, self.value_dim))
+        self.out_w = linears.assemble([(prefix + "out_proj.weight", h, self.value_dim)])
         self.tensors = [self.in_w, self.conv_w, self.dt_bias, self.neg_a, self.norm_w, self.out_w]
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, state, state_slots: torch.Tensor) -> torch.Tensor:

@@ -88,11 +88,12 @@ class LinearLoader:
         """Whether `name` loads as the checkpoint's own group form, unchanged."""
         return self.mode == "auto" and self.ckpt.is_quantized(name)
 
-    def load(self, parts: list[tuple[str, int, int]]):
-        """The weight of the layer made of `parts` (name, out_features, in_features), fused along
-        the outputs in the given order."""
-        weights = [self.ckpt.get_linear(name, (n, k), self.dtype) for name, n, k in parts]
-        if self.keeps_dense([name for name, _, _ in parts]):
+    def load(self, parts: list[tuple]):
+        """The weight of the layer made of `parts` (name, out_features, in_features[, rows]), fused along
+        the outputs in the given order; `rows` (int64 indices into the stored rows) takes those rows, in
+        that order, of a tensor that holds more than this part (a query half of an interleaved q_proj)."""
+        weights = [self.ckpt.get_linear(name, (n, k), self.dtype, *rows) for name, n, k, *rows in parts]
+        if self.keeps_dense([name for name, *_ in parts]):
             dense = [w.dequantize().to(self.dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
             self.formats[str(self.dtype).removeprefix("torch.")] += 1
             return (dense[0] if len(dense) == 1 else torch.cat(dense)).to(self.device)
@@ -104,6 +105,30 @@ class LinearLoader:
         fused = QuantizedWeight.cat([_to_bits(w, bits, self.group_size) for w in weights])
         self.formats[fused.describe()] += 1
         return fused
+
+    def assemble(self, parts: list[tuple]):
+        """A hybrid layer's weight from `parts` as `load` takes them: stored quantized (a GGUF's group form),
+        it loads as `load` makes it; stored dense, the parts are joined dense and `adopt`ed."""
+        if any(self.ckpt.is_quantized(name) for name, *_ in parts):
+            return self.load(parts)
+        return self.adopt(torch.cat([self.ckpt.get_linear(name, (n, k), self.dtype, *rows)
+                                     for name, n, k, *rows in parts]).to(self.device))
+
+    def embedding_and_head(self, vocab: int, hidden: int, tied: bool) -> tuple:
+        """(embedding table, output head). Under `auto` a table stored quantized stays so: lookups dequantize
+        their rows to what the dense table holds, which is then never read (933 MB of fp32 for a 151936 x
+        1536 vocabulary); tied, the same table is the head."""
+        table = "model.embed_tokens.weight"
+        head = table if tied else "lm_head.weight"
+        if tied and self.keeps_dense([head]):
+            embed = self.ckpt.get(table, (vocab, hidden), self.dtype).to(self.device)
+            return embed, embed                                 # one copy serves both
+        if tied and self.keeps_stored(head):
+            embed = self.load([(head, vocab, hidden)])
+            return embed, embed
+        embed = (self.ckpt.get_linear(table, (vocab, hidden), self.dtype) if self.keeps_stored(table)
+                 else self.ckpt.get(table, (vocab, hidden), self.dtype).to(self.device))
+        return embed, self.load([(head, vocab, hidden)])
 
     def adopt(self, dense: torch.Tensor):
         """A weight the model assembled itself from dense checkpoint tensors (rows regrouped or

@@ -15,11 +15,10 @@ from engine.models.linear import LinearLoader, linear
 pagedserve = ops.direct
 
 
-def _swiglu(get, prefix: str, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate rows then up rows [2I, H], down [H, I]) of one SwiGLU MLP."""
-    gate_up = torch.cat([get(prefix + "gate_proj.weight", inter, hidden),
-                         get(prefix + "up_proj.weight", inter, hidden)])
-    return gate_up, get(prefix + "down_proj.weight", hidden, inter)
+def _swiglu(prefix: str, hidden: int, inter: int) -> tuple[list, list]:
+    """The LinearLoader parts of one SwiGLU MLP: (gate rows then up rows [2I, H], down [H, I])."""
+    return ([(prefix + "gate_proj.weight", inter, hidden), (prefix + "up_proj.weight", inter, hidden)],
+            [(prefix + "down_proj.weight", hidden, inter)])
 
 
 class MLP:
@@ -29,7 +28,7 @@ class MLP:
         self.sparse = sparse
         self.tensors: list[torch.Tensor] = []
         if not sparse:
-            self.gate_up, self.down = map(linears.adopt, _swiglu(get, prefix, h, cfg.intermediate_size))
+            self.gate_up, self.down = map(linears.assemble, _swiglu(prefix, h, cfg.intermediate_size))
             self.tensors += [self.gate_up, self.down]
             return
         experts, inter = cfg.num_experts, cfg.moe_intermediate_size
@@ -40,14 +39,16 @@ class MLP:
             self.gate_up = get(fused, experts, 2 * inter, h)
             self.down = get(prefix + "experts.down_proj", experts, h, inter)
         else:
-            pairs = [_swiglu(get, f"{prefix}experts.{e}.", h, inter) for e in range(experts)]
-            self.gate_up = torch.stack([p[0] for p in pairs])
-            self.down = torch.stack([p[1] for p in pairs])
+            def dense(parts: list) -> torch.Tensor:
+                return torch.cat([get(*part) for part in parts])
+            pairs = [_swiglu(f"{prefix}experts.{e}.", h, inter) for e in range(experts)]
+            self.gate_up = torch.stack([dense(p[0]) for p in pairs])
+            self.down = torch.stack([dense(p[1]) for p in pairs])
         self.tensors += [self.router, self.gate_up, self.down]
         self.shared = None
         if cfg.shared_expert_intermediate_size:
-            gate_up, down = map(linears.adopt, _swiglu(get, prefix + "shared_expert.", h,
-                                                       cfg.shared_expert_intermediate_size))
+            gate_up, down = map(linears.assemble, _swiglu(prefix + "shared_expert.", h,
+                                                          cfg.shared_expert_intermediate_size))
             self.shared = (gate_up, down, get(prefix + "shared_expert_gate.weight", 1, h))
             self.tensors += list(self.shared)
 

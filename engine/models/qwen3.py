@@ -3,7 +3,7 @@
 The three families differ only by flags in ModelConfig: q/k/v bias (Qwen2, optional for Llama),
 per-head q/k RMSNorm (Qwen3) and tied embeddings. Q/K/V and gate/up projections are fused at load
 so each layer runs three GEMMs plus the output projection. Linear weights are dense or quantized
-(engine/models/linear.py); the embedding table stays dense, since a step reads only a few of its rows.
+(engine/models/linear.py); so is the embedding table (LinearLoader.embedding_and_head).
 """
 from __future__ import annotations
 
@@ -38,18 +38,7 @@ class DenseDecoder:
             return ckpt.get(name, tuple(shape), dtype).to(device)
 
         self.norm = get("model.norm.weight", h)
-        table = "model.embed_tokens.weight"
-        head = table if cfg.tie_word_embeddings else "lm_head.weight"
-        # Under `auto` a table stored quantized stays so: lookups dequantize their rows to what the dense
-        # table holds, which is then never read (933 MB of fp32 for a 151936 x 1536 vocabulary).
-        if cfg.tie_word_embeddings and linears.keeps_dense([head]):
-            self.embed = self.lm_head = get(table, cfg.vocab_size, h)      # one copy serves both
-        elif cfg.tie_word_embeddings and linears.keeps_stored(head):
-            self.embed = self.lm_head = linears.load([(head, cfg.vocab_size, h)])
-        else:
-            self.embed = (ckpt.get_linear(table, (cfg.vocab_size, h), dtype) if linears.keeps_stored(table)
-                          else get(table, cfg.vocab_size, h))
-            self.lm_head = linears.load([(head, cfg.vocab_size, h)])
+        self.embed, self.lm_head = linears.embedding_and_head(cfg.vocab_size, h, cfg.tie_word_embeddings)
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."

@@ -9,7 +9,6 @@ pair per linear-attention layer; `state_slots` int32 [B], -1 = no state). Zero-c
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 import ops
 from engine.kv.pool import StateShape
@@ -17,7 +16,7 @@ from engine.loading.model_config import ModelConfig
 from engine.models.batch import ForwardBatch
 from engine.models.gated_attention import GatedAttention
 from engine.models.gated_deltanet import GatedDeltaNet, state_shape
-from engine.models.linear import LinearLoader, linear, weight_nbytes
+from engine.models.linear import LinearLoader, embedding, linear, weight_nbytes
 from engine.models.moe import MLP
 from ops.rotary import rope_cos_sin
 
@@ -47,10 +46,8 @@ class HybridDecoder:
                 return get(name, size)
             return (1.0 + ckpt.get(name, (size,), torch.float32)).to(dtype).to(device)
 
-        self.embed = get("model.embed_tokens.weight", cfg.vocab_size, h)
+        self.embed, self.lm_head = linears.embedding_and_head(cfg.vocab_size, h, cfg.tie_word_embeddings)
         self.norm = norm("model.norm.weight", h)
-        self.lm_head = linears.adopt(self.embed if cfg.tie_word_embeddings
-                                     else get("lm_head.weight", cfg.vocab_size, h))
         attention_layers, linear_layers = cfg.attention_layers, cfg.linear_layers
         self.layers = []
         for i in range(cfg.num_layers):
@@ -92,7 +89,7 @@ class HybridDecoder:
         eps = self.cfg.rms_norm_eps
         if state_slots is None and self.cfg.linear_layers:
             raise ValueError("this model has linear-attention layers: pass state_layers and state_slots")
-        x = F.embedding(batch.input_ids, self.embed)
+        x = embedding(batch.input_ids, self.embed, self.dtype)
         residual = x
         h = pagedserve.rms_norm(x, self.layers[0].ln1, eps)
         for i, layer in enumerate(self.layers):
