@@ -54,6 +54,9 @@ class EngineSnapshot:
     itl_p99_s: float | None = None
     prefix_cache_hit_rate: float = 0.0      # hit / looked-up prompt tokens
     cached_blocks: int = 0
+    spec_proposed_tokens_total: int = 0     # speculative decoding (0 while it is off)
+    spec_acceptance_rate: float = 0.0
+    spec_mean_acceptance_length: float = 0.0
     requests: tuple[RequestRow, ...] = ()
 
     @classmethod

@@ -17,8 +17,10 @@ from engine.loading.tokenizer import load_tokenizer
 from engine.loop import EngineLoop
 from engine.models.linear import LinearLoader
 from engine.models.decoder import DecoderModel, build_decoder
+from engine.ngram import NgramProposer
 from engine.runner import ModelRunner, PrefillBudget
 from engine.scheduler import Scheduler
+from engine.speculation import Speculator
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -64,6 +66,15 @@ def resolve_max_model_len(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
         raise ConfigError([f"max_model_len = {cfg.max_model_len:,} is more than the model's "
                            f"max_position_embeddings ({limit:,}); use at most {limit:,}"])
     return cfg.max_model_len or limit
+
+
+def build_speculator(cfg: EngineConfig, recurrent: bool) -> Speculator | None:
+    if cfg.speculative == "none":
+        return None
+    if recurrent:   # a rejected proposal would leave its tokens in the recurrent state
+        raise ConfigError([f'speculative = "{cfg.speculative}" does not support hybrid models (Qwen3.5, '
+                           'Qwen3-Next) yet: their recurrent state cannot roll back; use "none"'])
+    return Speculator(NgramProposer(cfg.ngram_min, cfg.ngram_max), cfg.num_speculative_tokens)
 
 
 @dataclass
@@ -128,6 +139,7 @@ def _build(cfg: EngineConfig, progress) -> Engine:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos += (tokenizer.eos_token_id,)
     max_len = resolve_max_model_len(cfg, model_cfg)
+    speculator = build_speculator(cfg, bool(model_cfg.linear_layers))     # refused before the weights load
     model = build_decoder(model_cfg, ckpt, dtype, device,
                           LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))
     kv_layers, state_shape = model.num_kv_layers, model.state_shape
@@ -147,7 +159,8 @@ def _build(cfg: EngineConfig, progress) -> Engine:
                          budget=PrefillBudget.for_device(device, dtype), state_pool=state_pool,
                          compile=cfg.compile, fullgraph=whole_graph,
                          graphs=DecodeGraphs if whole_graph and cfg.cuda_graphs else None)
-    scheduler = Scheduler(runner, max_waiting=cfg.max_waiting, prefix_cache=cfg.prefix_cache)
+    scheduler = Scheduler(runner, max_waiting=cfg.max_waiting, prefix_cache=cfg.prefix_cache,
+                          speculator=speculator)
     loop = EngineLoop(scheduler, tokenizer, eos, max_lag_tokens=cfg.client_max_lag_tokens,
                       timeout_s=cfg.client_timeout_s,
                       grammars=GrammarCompiler(tokenizer.to_json(), model_cfg.vocab_size, eos))

@@ -55,10 +55,6 @@ def _choice(default: str, choices: tuple[str, ...], help: str) -> Any:
     return _key(default, allowed, lambda v: v in choices, help, choices)
 
 
-def _power_of_two_in(lo: int, hi: int) -> Callable[[int], bool]:
-    return lambda v: lo <= v <= hi and v & (v - 1) == 0
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = _key("qwen2.5-coder-1.5b", "a non-empty string: a preset name, a checkpoint dir or a .gguf file",
@@ -76,7 +72,7 @@ class EngineConfig:
                                "K/V cache size in tokens, all requests together; 0 = on CPUs max_concurrency "
                                "sequences of up to 8,192 tokens within half the free memory, on GPUs what "
                                "free memory holds")
-    block_size: int = _key(16, "a power of two between 8 and 256", _power_of_two_in(8, 256),
+    block_size: int = _key(16, "a power of two between 8 and 256", lambda v: 8 <= v <= 256 and v & (v - 1) == 0,
                            "tokens per K/V cache block")
     max_model_len: int = _key(0, "an integer >= 0 (0 = the model's own limit)", lambda v: v >= 0,
                               "longest prompt + output in tokens; 0 = the model's own limit")
@@ -85,6 +81,11 @@ class EngineConfig:
                              "on GPUs, replay decode-only steps from CUDA graphs (one per batch-size bucket; "
                              "not for MoE models)")
     prefix_cache: bool = _key(True, "true or false", lambda v: True, "reuse K/V blocks of prompts seen before")
+    speculative: str = _choice("none", ("none", "ngram"), "speculative decoding; ngram = verify, in the same step, the tokens that "
+                               "followed an earlier occurrence of the latest ones (prompt lookup); greedy output is unchanged; dense models only")
+    num_speculative_tokens: int = _key(5, "an integer between 1 and 32", lambda v: 1 <= v <= 32, "most tokens proposed per request and step")
+    ngram_min: int = _key(2, "an integer between 1 and 16", lambda v: 1 <= v <= 16, "shortest run of latest tokens the ngram proposer looks up")
+    ngram_max: int = _key(4, "an integer between 1 and 16, >= ngram_min", lambda v: 1 <= v <= 16, "longest run looked up (tried first)")
     state_spare_slots: int = _key(4, "an integer >= 0", lambda v: v >= 0,
                                   "extra recurrent-state slots that hold prefix-cache checkpoints (hybrid models)")
     threads: int = _key(0, "an integer >= 0 (0 = all cores)", lambda v: v >= 0, "CPU threads for torch; 0 = all cores")
@@ -97,6 +98,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _validate_instance(self)
+        if self.ngram_min > self.ngram_max:
+            raise ConfigError([f"ngram_min = {self.ngram_min} is more than ngram_max = {self.ngram_max}; "
+                               "raise ngram_max or lower ngram_min"])
 
     def replace(self, **overrides: Any) -> EngineConfig:
         """A copy with `overrides` applied; unknown names and bad values raise ConfigError."""
@@ -388,10 +392,9 @@ _HEADER = """\
 def default_config_text() -> str:
     """The commented default config (the shipped config.toml and what `config init` writes)."""
     lines = [_HEADER]
-    for f in fields(EngineConfig):
-        lines += [f"# {f.metadata['help']}", f"{f.name} = {toml_literal(default_of(f))}", ""]
-    lines.append("[server]")
-    for f in fields(ServerConfig):
-        lines += [f"# {f.metadata['help']}", f"{f.name} = {toml_literal(default_of(f))}", ""]
+    for header, cls in (([], EngineConfig), (["[server]"], ServerConfig)):
+        lines += header
+        for f in fields(cls):
+            lines += [f"# {f.metadata['help']}", f"{f.name} = {toml_literal(default_of(f))}", ""]
     lines += ["[console]", f"# {ConsoleConfig.__dataclass_fields__['keys'].metadata['help']}", "[console.keys]", ""]
     return "\n".join(lines)

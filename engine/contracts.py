@@ -6,6 +6,9 @@ Plans are deltas: a request's first row after admission carries its whole block 
 later rows only the blocks appended since; the engine keeps the rest (engine/plan_ledger.py).
 Everything the engine does to its state happens inside a numbered plan: forgotten requests and
 state-slot operations come first, then the rows.
+A verify row (speculative decoding) is a decode row that also feeds proposed tokens: the engine
+draws after each, the scheduler keeps the draws up to the first that differs from its proposal,
+and the next row starts after them, dropping the table's blocks the rejected positions needed.
 """
 from __future__ import annotations
 
@@ -37,11 +40,18 @@ class EngineLimits:
     max_prefill_tokens_total: int   # prefill tokens in a step without decode rows
     prefill_quantum: int
     mixed_prefill_tokens_total: int | None = None   # ... and in one with decode rows (None: the same)
+    max_verify_tokens_total: int = 0    # decode-row tokens a step carries at about the cost of one
+                                        # token per row (0: the engine verifies no proposals)
 
     def prefill_tokens_total(self, decode_rows: int) -> int:
         if decode_rows and self.mixed_prefill_tokens_total is not None:
             return self.mixed_prefill_tokens_total
         return self.max_prefill_tokens_total
+
+    def verify_tokens(self, decode_rows: int) -> int:
+        """Proposal tokens a step with `decode_rows` decode rows can carry: what the rows' own
+        tokens leave of the verify capacity."""
+        return max(0, self.max_verify_tokens_total - decode_rows)
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,8 @@ class PlanRow:
     new_blocks: tuple[int, ...]     # block ids appended to the request's table for this row; with
                                     # the earlier ones they cover start_pos + len(token_ids) positions
     state_slot: int | None          # recurrent-state slot (hybrid models), else None
-    sample: bool                    # sample a token after the last fed token
+    sample: bool                    # sample a token after the last fed token (a verify row:
+                                    # after each of its last 1 + num_draft tokens)
     sampling: SamplingParams | None = None   # the request's params (set on every row)
     fresh: bool = False             # first row since admission: new_blocks is the whole table and
                                     # start_pos the cached prefix; the engine starts a new record
@@ -64,6 +75,9 @@ class PlanRow:
     banned_token_ids: tuple[int, ...] = ()  # masked for this draw (EOS/stop ids before min_tokens)
     allowed: bytes | None = None    # the request's grammar: bit i of the little-endian 32-bit
                                     # words set = token i may be drawn (None: every token may)
+    num_draft: int = 0              # a verify row: its last num_draft tokens are proposals
+    drop_blocks: int = 0            # blocks removed from the end of the table before new_blocks
+                                    # are appended (the tail past a verify row's accepted tokens)
 
     @property
     def end_pos(self) -> int:
@@ -87,12 +101,22 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class Draw:
+    """A token drawn after one proposal of a verify row (with its logprobs if asked)."""
+    token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RowOutput:
     request_id: str
-    token: int | None = None
+    token: int | None = None        # drawn after the last fed token (a verify row: after the
+                                    # token before its proposals)
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     error: str | None = None
+    verify: tuple[Draw, ...] = ()   # a verify row: one draw after each proposal, in order
 
 
 @dataclass(frozen=True)
@@ -116,9 +140,14 @@ def check_plan(plan: StepPlan, running_decoders: set[str] | frozenset[str] = fro
         seen.add(row.request_id)
         if not row.token_ids:
             raise ContractError(f"step {plan.step}: row {row.request_id} feeds no tokens")
-        if row.kind is RowKind.DECODE and len(row.token_ids) != 1:
+        if row.kind is RowKind.DECODE and len(row.token_ids) != 1 + row.num_draft:
             raise ContractError(f"step {plan.step}: decode row {row.request_id} feeds "
-                                f"{len(row.token_ids)} tokens")
+                                f"{len(row.token_ids)} tokens for {row.num_draft} proposals")
+        if row.num_draft and (row.kind is not RowKind.DECODE or not row.sample):
+            raise ContractError(f"step {plan.step}: row {row.request_id} carries proposals but is "
+                                "not a sampling decode row")
+        if row.drop_blocks and row.fresh:
+            raise ContractError(f"step {plan.step}: fresh row {row.request_id} drops blocks")
         if row.sample and row.sampling is None:
             raise ContractError(f"step {plan.step}: row {row.request_id} samples without params")
         if row.request_id in plan.forget and not row.fresh:
@@ -150,3 +179,7 @@ def check_result(plan: StepPlan, result: StepResult) -> None:
             raise ContractError(f"step {plan.step}: sampling row {row.request_id} got no token")
         elif not row.sample and out.token is not None:
             raise ContractError(f"step {plan.step}: non-sampling row {row.request_id} got a token")
+        want = row.num_draft if out.token is not None else 0
+        if len(out.verify) != want:
+            raise ContractError(f"step {plan.step}: row {row.request_id} got {len(out.verify)} "
+                                f"draws after proposals for {want}")

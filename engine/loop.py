@@ -169,15 +169,14 @@ class EngineLoop:
             if live is None:
                 continue
             request = live.request
-            delta = Delta(prompt_tokens=len(request.prompt_token_ids),
-                          completion_tokens=len(request.output_token_ids))
+            delta = Delta(prompt_tokens=len(request.prompt_token_ids), completion_tokens=ev.generated_tokens)
             if ev.token is not None:
                 delta.token_ids.append(ev.token)
                 delta.logprobs.append((ev.token, ev.logprob, ev.top_logprobs))
                 delta.token_times.append(request.last_token_time)
                 delta.text = live.detok.push([ev.token])
-                if live.detok.stopped and ev.finished is None:
-                    self.scheduler.finish(ev.request_id, FinishReason.STOP)
+                if live.detok.stopped and ev.finished is None:   # tokens after it in a run are dropped
+                    self.scheduler.finish(ev.request_id, FinishReason.STOP, tokens=ev.generated_tokens)
                     delta.finish_reason = FinishReason.STOP
             if ev.finished is not None or ev.error is not None:
                 delta.finish_reason = ev.finished or FinishReason.ERROR

@@ -2,8 +2,10 @@
 
 A fresh row opens a record (its whole block table, a row index in the engine's persistent batch);
 later rows append their new blocks and must start where the record's computed positions end, so a
-lost or repeated delta is a contract error instead of wrong attention. `StepPlan.forget` closes
-records. The same plans replayed into a new ledger give the same records.
+lost or repeated delta is a contract error instead of wrong attention. After a verify row the next
+may start earlier, past its first position at least: the proposals rejected there are dead, and
+it drops the blocks they alone needed. `StepPlan.forget` closes records. The same plans replayed
+into a new ledger give the same records.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ class RowRecord:
     index: int                      # the request's row in the engine's persistent batch buffers
     block_table: list[int] = field(default_factory=list)
     computed: int = 0               # positions whose K/V the engine has written
+    floor: int = 0                  # where the next row may start at the earliest: below
+                                    # `computed` only after a verify row
 
 
 class PlanLedger:
@@ -40,20 +44,28 @@ class PlanLedger:
                 if not self._free:
                     raise ContractError(f"step {plan.step}: more live requests than the engine's "
                                         f"{len(self.records)} rows")
-                rec = RowRecord(row.request_id, self._free.pop(), list(row.new_blocks), row.start_pos)
+                rec = RowRecord(row.request_id, self._free.pop(), list(row.new_blocks), row.start_pos,
+                                row.start_pos)
                 self.records[row.request_id] = rec
             else:
                 if rec is None:
                     raise ContractError(f"step {plan.step}: row {row.request_id} is not fresh, and "
                                         "the engine holds no record of it")
-                if row.start_pos != rec.computed:
+                if not rec.floor <= row.start_pos <= rec.computed:
+                    verified = f" (verified from {rec.floor})" if rec.floor < rec.computed else ""
                     raise ContractError(f"step {plan.step}: row {row.request_id} starts at "
-                                        f"{row.start_pos}; the engine has computed {rec.computed}")
+                                        f"{row.start_pos}; the engine has computed {rec.computed}{verified}")
+                if row.drop_blocks > len(rec.block_table):
+                    raise ContractError(f"step {plan.step}: row {row.request_id} drops {row.drop_blocks} "
+                                        f"blocks of {len(rec.block_table)}")
+                del rec.block_table[len(rec.block_table) - row.drop_blocks:]
                 rec.block_table += row.new_blocks
             rows.append(rec)
         return closed, rows
 
     def commit(self, plan: StepPlan, rows: list[RowRecord]) -> None:
-        """The step ran: each row's positions are computed."""
+        """The step ran: each row's positions are computed (a verify row's proposals only until the
+        next row says which were accepted)."""
         for row, rec in zip(plan.rows, rows):
             rec.computed = row.end_pos
+            rec.floor = row.end_pos - row.num_draft

@@ -1,4 +1,5 @@
-"""Sampling parameters, finish reasons and the request lifecycle (no torch)."""
+"""Sampling parameters, finish reasons, the request lifecycle and the events a step makes of it (no
+torch)."""
 from __future__ import annotations
 
 import enum
@@ -138,6 +139,7 @@ class Request:
         self._all_ids = list(self.prompt_token_ids) + self.output_token_ids
         self._block_ids = [h.block_id for h in self.blocks]
         self.sent_blocks: int | None = None   # block ids the engine holds; None: it holds no record
+        self.unsent_drop = 0                  # of those, how many the next row tells it to drop
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -148,6 +150,11 @@ class Request:
         self.output_token_ids.append(token)
         self._all_ids.append(token)
 
+    def truncate_output(self, n: int) -> None:
+        """Keep the first `n` generated tokens (a stop string ended a run of accepted ones)."""
+        del self._all_ids[len(self.prompt_token_ids) + n:]
+        del self.output_token_ids[n:]
+
     @property
     def block_ids(self) -> list[int]:
         """Block ids in position order (read-only: add_blocks / take_blocks change them)."""
@@ -157,13 +164,50 @@ class Request:
         self.blocks.extend(handles)
         self._block_ids.extend(h.block_id for h in handles)
 
-    def take_blocks(self) -> list:
-        """Remove and return every block handle."""
-        handles, self.blocks, self._block_ids = self.blocks, [], []
+    def take_blocks(self, keep: int = 0) -> list:
+        """Remove and return the block handles past the first `keep`; the engine drops those it
+        holds with the request's next row."""
+        handles = self.blocks[keep:]
+        del self.blocks[keep:], self._block_ids[keep:]
+        if self.sent_blocks is not None and self.sent_blocks > keep:
+            self.unsent_drop += self.sent_blocks - keep
+            self.sent_blocks = keep
         return handles
+
+    def finished_by_last_token(self, max_model_len: int) -> FinishReason | None:
+        """Whether the token just appended ends the request, and why."""
+        out = self.output_token_ids
+        # a stop id counts only when drawn unbanned (min_tokens already generated before it)
+        if len(out) > min(self.params.min_tokens, self.max_tokens - 1) and out[-1] in self.stop_token_ids:
+            return FinishReason.STOP
+        if self.matcher is not None and self.matcher.done:   # complete: nothing but EOS could follow
+            return FinishReason.STOP
+        if len(out) >= self.max_tokens or len(self._all_ids) >= max_model_len:
+            return FinishReason.LENGTH
+        return None
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         """Token ids that end this request (EOS unless ignore_eos, plus params.stop_token_ids)."""
         eos = () if self.params.ignore_eos else self.eos_token_ids
         return eos + self.params.stop_token_ids
+
+
+@dataclass(frozen=True)
+class Event:
+    """What one step (or a cancel/finish) did to one request."""
+    request_id: str
+    token: int | None
+    finished: FinishReason | None
+    error: str | None
+    prompt_tokens: int
+    generated_tokens: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+    @classmethod
+    def of(cls, req: Request, reason: FinishReason | None, error: str | None, out=None) -> "Event":
+        """`req` as it stands, with `out`'s token and logprobs (a RowOutput or Draw) if given."""
+        return cls(req.id, None if out is None else out.token, reason, error,
+                   len(req.prompt_token_ids), len(req.output_token_ids),
+                   None if out is None else out.logprob, () if out is None else out.top_logprobs)

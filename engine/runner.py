@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.contracts import EngineLimits, PlanRow, RowOutput, StateOp, StepPlan, StepResult
+from engine.contracts import Draw, EngineLimits, PlanRow, RowOutput, StateOp, StepPlan, StepResult
 from engine.debug_hooks import check_step
 from engine.models.batch import ForwardBatch
 from engine.plan_ledger import PlanLedger, RowRecord
@@ -21,21 +21,23 @@ from engine.sampling import TokenCounts, sample
 @dataclass(frozen=True)
 class PrefillBudget:
     """Prefill tokens per step. Idle steps take big chunks (GEMM efficiency); steps with decoders take
-    about what the weight stream already pays for, so decoders' inter-token latency stays flat."""
+    about what the weight stream already pays for, so decoders' inter-token latency stays flat.
+    Decode rows and their proposals together get the same "free" capacity (`verify_total`)."""
     idle_total: int
     mixed_total: int
     quantum: int
+    verify_total: int = 0           # 0: no proposals are verified
 
     @classmethod
     def for_device(cls, device: torch.device, dtype: torch.dtype) -> "PrefillBudget":
         if device.type == "cuda":
-            return cls(idle_total=8192, mixed_total=2048, quantum=512)
+            return cls(idle_total=8192, mixed_total=2048, quantum=512, verify_total=2048)
         # measured on Zen4 CPUs: ~34 GB/s memory, ~420 GFLOP/s bf16 GEMM (~190 fp32); slower CPUs
         # have a lower balance, and the 16-token floor below covers them
         flops = 420e9 if dtype == torch.bfloat16 else 190e9
         balance = flops / 34e9            # tokens one weight pass can carry "for free"
         mixed = max(16, int(round(balance / 16)) * 16)
-        return cls(idle_total=512, mixed_total=mixed, quantum=64)
+        return cls(idle_total=512, mixed_total=mixed, quantum=64, verify_total=mixed)
 
 
 class ModelRunner:
@@ -90,7 +92,8 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             max_prefill_rows=self.max_rows, max_prefill_tokens_per_row=idle,
             max_prefill_tokens_total=idle, prefill_quantum=min(self.budget.quantum, idle),
-            mixed_prefill_tokens_total=self.budget.mixed_total)
+            mixed_prefill_tokens_total=self.budget.mixed_total,
+            max_verify_tokens_total=self.budget.verify_total)
 
     def _state_op(self, op: StateOp) -> None:
         """Zero a recurrent-state slot before a request uses it, or copy every linear-attention
@@ -146,7 +149,10 @@ class ModelRunner:
         qsl = torch.zeros(len(rows) + 1, dtype=torch.int64)
         qsl[1:] = lens.cumsum(0)
         positions = starts[row_of] + torch.arange(int(qsl[-1])) - qsl[:-1][row_of]
-        sampling = [i for i, r in enumerate(rows) if r.sample]
+        # the flat index of every drawn position: a sampling row's last token, a verify row's last
+        # 1 + num_draft
+        ends = qsl[1:].tolist()
+        drawn = [e - 1 - d for r, e in zip(rows, ends) if r.sample for d in range(r.num_draft, -1, -1)]
         ids = [t for r in rows for t in r.token_ids]
         width = -(-max(r.end_pos for r in rows) // bs)
         index = torch.tensor([rec.index for rec in records], dtype=torch.int64).to(dev)
@@ -157,7 +163,7 @@ class ModelRunner:
             slot_mapping=tables[row_of, positions // bs].long() * bs + positions % bs,
             block_tables=tables, query_start_loc=qsl.to(torch.int32).to(dev),
             context_lens=(starts + lens).to(torch.int32).to(dev),
-            logits_indices=(qsl[1:][sampling] - 1).to(dev))
+            logits_indices=torch.tensor(drawn, dtype=torch.int64).to(dev))
 
     def execute(self, plan: StepPlan) -> StepResult:
         closed, records = self.ledger.begin(plan)      # a broken delta raises ContractError
@@ -190,8 +196,9 @@ class ModelRunner:
             if errors[r.request_id]:
                 outputs.append(RowOutput(r.request_id, error=errors[r.request_id]))
             elif r.request_id in sampled:
-                tok, lp, top = sampled[r.request_id]
-                outputs.append(RowOutput(r.request_id, token=tok, logprob=lp, top_logprobs=top))
+                (tok, lp, top), *verify = sampled[r.request_id]
+                outputs.append(RowOutput(r.request_id, token=tok, logprob=lp, top_logprobs=top,
+                                         verify=tuple(Draw(*d) for d in verify)))
             else:
                 outputs.append(RowOutput(r.request_id))
         return StepResult(plan.step, tuple(outputs))

@@ -2,7 +2,9 @@
 or seeded random draws.
 
 A seeded row draws from a generator seeded by (seed, index of the token being drawn), so its tokens do
-not depend on what else is in the batch, nor on a preemption that recomputes it.
+not depend on what else is in the batch, nor on a preemption that recomputes it, nor on speculation: a
+verify row draws at each of its positions exactly as single-token rows would have, one token index
+further each (engine/speculation.py decides which draws count).
 """
 from __future__ import annotations
 
@@ -91,43 +93,54 @@ def _filter(logits: torch.Tensor, row: PlanRow) -> torch.Tensor:
     return probs
 
 
-def _draw(probs: torch.Tensor, row: PlanRow, generator: torch.Generator | None) -> int:
+def _draw(probs: torch.Tensor, row: PlanRow, index: int, generator: torch.Generator | None) -> int:
+    """A token with probability `probs` (unnormalised); a seeded row's depends on (seed, index) only."""
     if row.sampling.seed is not None:
         generator = torch.Generator(device=probs.device)
-        generator.manual_seed((row.sampling.seed * 1_000_003 + row.sample_index) & _MASK64)
+        generator.manual_seed((row.sampling.seed * 1_000_003 + index) & _MASK64)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return int((probs / noise).argmax())
 
 
 def sample(logits: torch.Tensor, rows: list[PlanRow], generator: torch.Generator | None = None,
-           counts: list[TokenCounts | None] | None = None):
-    """logits: fp32 `[len(rows), vocab]`, changed in place; `counts`: each penalised row's token
-    counts. Returns one (token, logprob, top_logprobs) per row; logprobs are the model's own,
-    before penalties, bias and masks."""
+           counts: list[TokenCounts | None] | None = None) -> list[list[tuple]]:
+    """logits: fp32 `[draws, vocab]`, changed in place: one per row, 1 + num_draft for a verify row
+    (its positions in order); `counts`: each penalised row's token counts. Returns each row's
+    draws, each a (token, logprob, top_logprobs); logprobs are the model's own, before
+    penalties, bias and masks."""
     want_logprobs = any(r.sampling.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     counts = counts or [None] * len(rows)
-    for i, row in enumerate(rows):      # rows that draw from the model's logits as they are skip this
+    spans, at = [], 0
+    for row in rows:
+        spans.append(range(at, at + 1 + row.num_draft))
+        at += 1 + row.num_draft
+    for row, span, count in zip(rows, spans, counts):   # rows drawing from the logits as they are skip this
         if row.sampling.shaped or row.banned_token_ids or row.allowed is not None:
-            _shape(logits[i], row, counts[i])
-    greedy = [i for i, r in enumerate(rows) if r.sampling.greedy]
-    tokens: list[int] = [0] * len(rows)
+            for j in span:      # a verify row is never penalised, banned or masked: bias alone applies
+                _shape(logits[j], row, count)
+    greedy = [j for row, span in zip(rows, spans) if row.sampling.greedy for j in span]
+    tokens: list[int] = [0] * at
     if greedy:
-        picks = (logits if len(greedy) == len(rows) else logits[greedy]).argmax(dim=-1).tolist()
-        for i, tok in zip(greedy, picks):
-            tokens[i] = tok
-    for i, row in enumerate(rows):
+        picks = (logits if len(greedy) == at else logits[greedy]).argmax(dim=-1).tolist()
+        for j, tok in zip(greedy, picks):
+            tokens[j] = tok
+    for row, span in zip(rows, spans):
         if not row.sampling.greedy:
-            tokens[i] = _draw(_filter(logits[i], row), row, generator)
+            for d, j in enumerate(span):
+                tokens[j] = _draw(_filter(logits[j], row), row, row.sample_index + d, generator)
     out = []
-    for i, (row, tok) in enumerate(zip(rows, tokens)):
+    for row, span in zip(rows, spans):
         n = row.sampling.logprobs
-        if n is None:
-            out.append((tok, None, ()))
-            continue
-        top = ()
-        if n:
-            vals, ids = logprobs[i].topk(n)
-            top = tuple(zip(ids.tolist(), vals.tolist()))
-        out.append((tok, float(logprobs[i, tok]), top))
+        draws = []
+        for j in span:
+            tok, top = tokens[j], ()
+            if n is None:
+                draws.append((tok, None, ()))
+                continue
+            if n:
+                vals, ids = logprobs[j].topk(n)
+                top = tuple(zip(ids.tolist(), vals.tolist()))
+            draws.append((tok, float(logprobs[j, tok]), top))
+        out.append(draws)
     return out

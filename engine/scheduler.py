@@ -5,45 +5,33 @@ There are no prefill/decode phases: every step each running request catches its 
 up towards all_token_ids, decoders one token, prefillers a granted chunk. No torch here.
 
 Prefix caching and hybrid state checkpoints: engine/prefix_reuse.py; prefill fairness:
-engine/prefill_rotation.py.
+engine/prefill_rotation.py; speculative decoding (verify rows): engine/speculation.py.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
-from engine.contracts import (ContractError, PlanRow, RowKind, RowOutput, SeqEngine, StepPlan,
+from engine.contracts import (ContractError, Draw, PlanRow, RowKind, RowOutput, SeqEngine, StepPlan,
                               StepResult, check_plan, check_result)
 from engine.kv.allocator import BlockHandle, Reservation
 from engine.kv.prefix_cache import CheckpointCache, PrefixCache
 from engine.kv.resources import KVResources
 from engine.prefill_rotation import PrefillRotation
 from engine.prefix_reuse import PrefixReuse
-from engine.request import FinishReason, Request, RequestState
+from engine.request import Event, FinishReason, Request, RequestState
+from engine.speculation import Speculator
 from engine.errors import QueueFull, RequestRejected
 from engine.stats import RequestRow, SchedulerStats, StatsRecorder, percentile
 
 __all__ = ["Event", "QueueFull", "RequestRejected", "Scheduler"]
 
 
-@dataclass(frozen=True)
-class Event:
-    """What one step (or a cancel/finish) did to one request."""
-    request_id: str
-    token: int | None
-    finished: FinishReason | None
-    error: str | None
-    prompt_tokens: int
-    generated_tokens: int
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-
-
 class Scheduler:
     def __init__(self, engine: SeqEngine, *, max_waiting: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, prefix_cache: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, prefix_cache: bool = True,
+                 speculator: Speculator | None = None) -> None:
         self.engine = engine
         self._limits = lim = engine.limits()
         self._kv = KVResources(
@@ -64,6 +52,7 @@ class Scheduler:
         self._forget: list[str] = []        # released since the last plan, held by the engine
         self._preemptions = 0
         self._recorder = StatsRecorder(clock)
+        self._spec = speculator
 
     # ---- requests in --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -101,12 +90,16 @@ class Scheduler:
     def cancel(self, request_id: str) -> bool:
         return self.finish(request_id, FinishReason.CANCELLED)
 
-    def finish(self, request_id: str, reason: FinishReason = FinishReason.STOP) -> bool:
-        """Retire now (stop string matched above us, or cancel); the final event comes with the
-        next step(). False if the request is unknown or already finished."""
+    def finish(self, request_id: str, reason: FinishReason = FinishReason.STOP,
+               tokens: int | None = None) -> bool:
+        """Retire now (stop string matched above us, or cancel), keeping the first `tokens`
+        outputs if given (a stop string inside a run of accepted tokens); the final event comes
+        with the next step(). False if the request is unknown or already finished."""
         req = self._live.get(request_id)
         if req is None:
             return False
+        if tokens is not None:
+            req.truncate_output(tokens)
         self._pending.append(self._retire(req, reason))
         return True
 
@@ -147,10 +140,7 @@ class Scheduler:
         now, alloc = self._clock(), self._kv.blocks
         paused = sum(r.state is RequestState.PAUSED for r in self._running)
         prompt_rate, gen_rate = self._recorder.rates()
-        rows = tuple(RequestRow(r.id, r.state.value, len(r.prompt_token_ids), len(r.output_token_ids),
-                                len(r.blocks), r.state_slot, now - r.arrival_time, r.client,
-                                _decode_rate(r, now))
-                     for r in [*self._running, *self._waiting])
+        rows = tuple(RequestRow.of(r, now) for r in [*self._running, *self._waiting])
         return SchedulerStats(
             running=len(self._running) - paused, waiting=len(self._waiting), paused=paused,
             blocks_used=alloc.num_used, blocks_free=alloc.num_free,
@@ -161,7 +151,8 @@ class Scheduler:
             prompt_tokens_per_s=prompt_rate, generation_tokens_per_s=gen_rate,
             ttft_p50_s=percentile(self._recorder.ttft, 50),
             itl_p50_s=percentile(self._recorder.itl, 50), itl_p99_s=percentile(self._recorder.itl, 99),
-            requests=rows, steps_total=self._next_step, **self._prefix.stats())
+            requests=rows, steps_total=self._next_step, **self._prefix.stats(),
+            **(self._spec.stats() if self._spec else {}))
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[Event]:
@@ -192,7 +183,8 @@ class Scheduler:
             lambda rid: self._prefix.prefill_end(self._live[rid]) - self._live[rid].num_computed_tokens,
             lim.prefill_tokens_total(len(decoders)), row_cap=row_cap, quantum=lim.prefill_quantum,
             per_row=lim.max_prefill_tokens_per_row)
-        rows = [self._row(r, RowKind.DECODE, 1) for r in decoders]
+        drafts = self._spec.plan(decoders, lim.verify_tokens(len(decoders)), self._cover) if self._spec else {}
+        rows = [self._row(r, RowKind.DECODE, 1, drafts.get(r.id, ())) for r in decoders]
         rows += [self._row(self._live[rid], RowKind.PREFILL, n) for rid, n in grants.items()]
         if not rows:
             return None
@@ -223,13 +215,12 @@ class Scheduler:
             if out.error is not None:
                 events.append(self._retire(req, FinishReason.ERROR, error=out.error))
                 continue
-            req.num_computed_tokens = row.end_pos
-            self._prefix.remember(req, row)
             if row.kind is RowKind.PREFILL:
                 prompt_fed += len(row.token_ids)
-            if row.sample:
-                generated += 1
-                events.append(self._take_token(req, out))
+            taken = self._take(req, row, (self._spec.accept(row, out) if row.num_draft else [out])
+                               if row.sample else [])
+            generated += len(taken)
+            events += taken
         self._recorder.record_step(prompt_fed, generated)
         return events
 
@@ -237,7 +228,26 @@ class Scheduler:
     def _blocks_for(self, positions: int) -> int:
         return -(-positions // self._limits.block_size)
 
-    def _take_token(self, req: Request, out: RowOutput) -> Event:
+    def _take(self, req: Request, row: PlanRow, run: list[RowOutput | Draw]) -> list[Event]:
+        """After a row ran: its kept draws, one token at a time (a finish cuts a verify row's run
+        there); the computed positions end before the last token, full blocks are indexed, and
+        blocks past the request's tokens (a verify row's rejected positions) go back now."""
+        events, reason, error = [], None, None
+        for draw in run:
+            reason, error = self._append(req, draw)
+            if reason is not None:
+                break
+            events.append(Event.of(req, None, None, draw))
+        req.num_computed_tokens = len(req.all_token_ids) - 1 if row.sample else row.end_pos
+        if row.num_draft:
+            self._kv.blocks.free(reversed(req.take_blocks(self._blocks_for(len(req.all_token_ids)))))
+        self._prefix.remember(req, row)
+        if reason is not None:
+            events.append(self._retire(req, reason, error=error, out=draw))
+        return events
+
+    def _append(self, req: Request, draw: RowOutput | Draw) -> tuple[FinishReason | None, str | None]:
+        """One drawn token into the request; the reason (and error) it finishes with, if any."""
         now = self._clock()
         if req.first_token_time is None:
             req.first_token_time = now
@@ -245,45 +255,33 @@ class Scheduler:
         else:   # a gap that includes a recompute after preemption is what the client saw
             self._recorder.itl.append(now - req.last_token_time)
         req.last_token_time = now
-        req.append_output(out.token)
+        req.append_output(draw.token)
         if req.state is RequestState.PREFILL:
             self._rotation.discard(req.id)
             req.state = RequestState.PAUSED if req.pause_requested else RequestState.DECODE
-        if req.matcher is not None and not req.matcher.accept(out.token):
-            return self._retire(req, FinishReason.ERROR, out=out,
-                                error=f"the grammar refused token {out.token}: {req.matcher.error}")
-        reason = self._finish_reason(req)
-        if reason is not None:
-            return self._retire(req, reason, out=out)
-        return self._event(req, None, None, out)
+        if req.matcher is not None and not req.matcher.accept(draw.token):
+            return FinishReason.ERROR, f"the grammar refused token {draw.token}: {req.matcher.error}"
+        return req.finished_by_last_token(self._limits.max_model_len), None
 
-    def _finish_reason(self, req: Request) -> FinishReason | None:
-        out = req.output_token_ids
-        # a stop id counts only when drawn unbanned (min_tokens already generated before it)
-        if len(out) > min(req.params.min_tokens, req.max_tokens - 1) and out[-1] in req.stop_token_ids:
-            return FinishReason.STOP
-        if req.matcher is not None and req.matcher.done:   # complete: nothing but EOS could follow
-            return FinishReason.STOP
-        if len(out) >= req.max_tokens or len(req.all_token_ids) >= self._limits.max_model_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _event(self, req: Request, reason: FinishReason | None, error: str | None,
-               out: RowOutput | None = None) -> Event:
-        return Event(req.id, None if out is None else out.token, reason, error,
-                     len(req.prompt_token_ids), len(req.output_token_ids),
-                     None if out is None else out.logprob, () if out is None else out.top_logprobs)
+    def _cover(self, req: Request, positions: int) -> int:
+        """Free blocks (no reservation, no preemption) towards `positions`; the positions covered."""
+        blocks, bs = self._kv.blocks, self._limits.block_size
+        while len(req.blocks) * bs < positions and blocks.num_free:
+            req.add_blocks(blocks.allocate(1))
+        return min(positions, len(req.blocks) * bs)
 
     def _retire(self, req: Request, reason: FinishReason, *, error: str | None = None,
-                out: RowOutput | None = None) -> Event:
+                out: RowOutput | Draw | None = None) -> Event:
         if req.state is RequestState.WAITING:
             self._waiting.remove(req)
         else:
             self._release(req)
         del self._live[req.id]
         self._prefix.forget(req)
+        if self._spec is not None:
+            self._spec.forget(req.id)
         req.state, req.finish_reason, req.error = RequestState.FINISHED, reason, error
-        return self._event(req, reason, error, out)
+        return Event.of(req, reason, error, out)
 
     def _release(self, req: Request) -> None:
         """Give back an admitted request's blocks, reservation and slot."""
@@ -292,7 +290,7 @@ class Scheduler:
         self._kv.blocks.free(reversed(req.take_blocks()))  # a prefix's tail goes idle first, so is evicted first
         if req.sent_blocks is not None:
             self._forget.append(req.id)
-            req.sent_blocks = None
+            req.sent_blocks, req.unsent_drop = None, 0
         self._reservations.pop(req.id).release()
         self._prefix.released(req)
         if req.state_slot is not None:
@@ -369,28 +367,25 @@ class Scheduler:
         return (req is not None and self._prefix.cache is not None
                 and req.state in (RequestState.WAITING, RequestState.PREFILL))
 
-    def _row(self, req: Request, kind: RowKind, count: int) -> PlanRow:
+    def _row(self, req: Request, kind: RowKind, count: int, draft: tuple[int, ...] = ()) -> PlanRow:
+        """`count` of the request's tokens to feed, then the proposals `draft` (already covered
+        by blocks)."""
         all_ids, start = req.all_token_ids, req.num_computed_tokens
         end = start + count
         need = self._blocks_for(end)
         if len(req.blocks) < need:      # prefill: its reservation covers the prompt
             req.add_blocks([self._reservations[req.id].take() for _ in range(need - len(req.blocks))])
         fresh, sent = req.sent_blocks is None, req.sent_blocks or 0
-        req.sent_blocks = len(req.block_ids)
+        req.sent_blocks, drop, req.unsent_drop = len(req.block_ids), req.unsent_drop, 0
         sample = end == len(all_ids)
         params = req.params
         return PlanRow(
-            request_id=req.id, kind=kind, token_ids=tuple(all_ids[start:end]), start_pos=start,
+            request_id=req.id, kind=kind, token_ids=tuple(all_ids[start:end]) + draft, start_pos=start,
             new_blocks=tuple(req.block_ids[sent:]), state_slot=req.state_slot, sample=sample,
             sampling=params, fresh=fresh, sample_index=len(req.output_token_ids),
             num_prompt_tokens=len(req.prompt_token_ids),
             cached_token_ids=tuple(all_ids[:start]) if fresh and params.penalized else (),
             banned_token_ids=(req.stop_token_ids
                               if sample and len(req.output_token_ids) < params.min_tokens else ()),
-            allowed=req.matcher.mask() if sample and req.matcher is not None else None)
-
-
-def _decode_rate(req: Request, now: float) -> float:
-    if req.first_token_time is None or now <= req.first_token_time:
-        return 0.0
-    return (len(req.output_token_ids) - 1) / (now - req.first_token_time)
+            allowed=req.matcher.mask() if sample and req.matcher is not None else None,
+            num_draft=len(draft), drop_blocks=drop)

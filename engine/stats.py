@@ -9,6 +9,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.request import Request
+
 
 @dataclass(frozen=True)
 class RequestRow:
@@ -21,6 +23,13 @@ class RequestRow:
     age_s: float
     client: str = ""
     tokens_per_s: float = 0.0       # generated tokens over the time since the first one
+
+    @classmethod
+    def of(cls, req: Request, now: float) -> "RequestRow":
+        first, out = req.first_token_time, len(req.output_token_ids)
+        rate = 0.0 if first is None or now <= first else (out - 1) / (now - first)
+        return cls(req.id, req.state.value, len(req.prompt_token_ids), out, len(req.blocks),
+                   req.state_slot, now - req.arrival_time, req.client, rate)
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,22 @@ class SchedulerStats:
     checkpoint_hits_total: int = 0          # admissions that resumed from a checkpoint
     checkpoint_evictions_total: int = 0
     steps_total: int = 0                    # engine steps (plans executed) since start
+    # speculative decoding: proposed tokens verified, how many of them were accepted, verify rows
+    spec_proposed_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_verify_rows_total: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed tokens; 0.0 before the first verify row."""
+        return self.spec_accepted_tokens_total / max(1, self.spec_proposed_tokens_total)
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a verify row produced on average: its accepted proposals plus the one draw
+        after them (vLLM's mean acceptance length); 0.0 before the first verify row."""
+        rows = self.spec_verify_rows_total
+        return 1 + self.spec_accepted_tokens_total / rows if rows else 0.0
 
 
 def percentile(samples, p: float) -> float | None:

@@ -52,8 +52,13 @@ async def props(request: Request):
     prefix_cache = {"enabled": host.engine_cfg.prefix_cache, "hit_rate": s.prefix_cache_hit_rate,
                     "cached_blocks": s.cached_blocks, "evictions": s.cache_evictions_total,
                     "checkpoints": s.checkpoints, "checkpoint_hits": s.checkpoint_hits_total}
-    return (dataclasses.asdict(client.info()) | {"config": dataclasses.asdict(host.engine_cfg)}
-            | {"prefix_cache": prefix_cache})
+    cfg = host.engine_cfg
+    speculative = {"method": cfg.speculative, "num_speculative_tokens": cfg.num_speculative_tokens,
+                   "proposed_tokens": s.spec_proposed_tokens_total, "accepted_tokens": s.spec_accepted_tokens_total,
+                   "verify_rows": s.spec_verify_rows_total, "acceptance_rate": s.spec_acceptance_rate,
+                   "mean_acceptance_length": s.spec_mean_acceptance_length}
+    return (dataclasses.asdict(client.info()) | {"config": dataclasses.asdict(cfg)}
+            | {"prefix_cache": prefix_cache, "speculative": speculative})
 
 
 @router.get("/v1/requests")
@@ -75,7 +80,11 @@ async def list_requests(request: Request):
              "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
              "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "cached_blocks": s.cached_blocks,
              "cache_evictions_total": s.cache_evictions_total, "checkpoints": s.checkpoints,
-             "checkpoint_hits_total": s.checkpoint_hits_total, "steps_total": s.steps_total}
+             "checkpoint_hits_total": s.checkpoint_hits_total, "steps_total": s.steps_total,
+             "spec_proposed_tokens_total": s.spec_proposed_tokens_total,
+             "spec_accepted_tokens_total": s.spec_accepted_tokens_total,
+             "spec_verify_rows_total": s.spec_verify_rows_total, "spec_acceptance_rate": s.spec_acceptance_rate,
+             "spec_mean_acceptance_length": s.spec_mean_acceptance_length}
     return {"object": "list", "data": rows, "stats": stats}
 
 

@@ -1,6 +1,7 @@
 """Prometheus metrics under `pagedserve:` with vLLM-like names.
 
-Engine-wide numbers (running, waiting, K/V usage, token totals, preemptions, prefix cache) are read from the
+Engine-wide numbers (running, waiting, K/V usage, token totals, preemptions, prefix cache, speculative
+decoding) are read from the
 scheduler's latest stats snapshot at scrape time; latencies and finish reasons are observed by the
 server per request, as a client sees them.
 """
@@ -35,6 +36,11 @@ class _SnapshotCollector:
             "prefix_cache_hit_rate": ("Fraction of looked-up prompt tokens served from the prefix "
                                       "cache (0 before the first lookup).", s.prefix_cache_hit_rate),
             "cached_blocks": ("K/V blocks indexed by the prefix cache (held or idle).", s.cached_blocks),
+            "spec_decode_acceptance_rate": ("Fraction of proposed tokens accepted (0 before the first "
+                                            "verify row).", s.spec_acceptance_rate),
+            "spec_decode_mean_acceptance_length": ("Tokens a verify row produced on average: accepted "
+                                                   "proposals plus one (0 before the first).",
+                                                   s.spec_mean_acceptance_length),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"pagedserve:{name}", doc, value=value)
@@ -51,6 +57,11 @@ class _SnapshotCollector:
             "state_checkpoint_hits": ("Admissions of hybrid models that resumed from a recurrent-state "
                                       "checkpoint.", s.checkpoint_hits_total),
             "engine_steps": ("Engine steps run (one plan each).", s.steps_total),
+            "spec_decode_num_draft_tokens": ("Proposed tokens verified (speculative decoding).",
+                                             s.spec_proposed_tokens_total),
+            "spec_decode_num_accepted_tokens": ("Proposed tokens accepted.", s.spec_accepted_tokens_total),
+            "spec_decode_num_drafts": ("Verify rows run (decode rows that carried proposals).",
+                                       s.spec_verify_rows_total),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"pagedserve:{name}", doc, value=value)

@@ -9,15 +9,18 @@ same digests as recomputed ones: outputs are a pure function of (request, previo
 With state slots it models the recurrent state as a digest of every token fed into the slot, which
 also feeds the sampled token: a slot that was not reset, or a wrong checkpoint restore
 (copy_state), changes the output; a slot must be at the row's start position and never shared.
+A verify row draws after each of its last 1 + num_draft tokens the same way; `OracleProposer`
+knows the tokens the engine will draw and proposes them with random mistakes.
 """
 from __future__ import annotations
 
 import hashlib
+import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from engine.contracts import EngineLimits, RowOutput, StepPlan, StepResult
+from engine.contracts import Draw, EngineLimits, RowOutput, StepPlan, StepResult
 from engine.plan_ledger import PlanLedger
 from engine.request import Request, SamplingParams
 from engine.scheduler import Event, Scheduler
@@ -52,6 +55,7 @@ class FakeEngine:
     max_prefill_tokens_total: int = 64
     prefill_quantum: int = 16
     mixed_prefill_tokens_total: int | None = None   # capacity when decode rows are present
+    max_verify_tokens_total: int = 0                     # decode-row tokens with proposals
     vocab: int = 1000
     honor_bans: bool = True                              # False: a sampler that ignores the mask
     forced: dict[tuple[str, int], int] = field(default_factory=dict)  # (id, sample_index) -> token
@@ -74,7 +78,8 @@ class FakeEngine:
         return EngineLimits(self.max_rows, self.block_size, self.num_blocks, self.num_state_slots,
                             self.max_model_len, self.max_prefill_rows,
                             self.max_prefill_tokens_per_row, self.max_prefill_tokens_total,
-                            self.prefill_quantum, self.mixed_prefill_tokens_total)
+                            self.prefill_quantum, self.mixed_prefill_tokens_total,
+                            self.max_verify_tokens_total)
 
     def reset_state(self, slot: int) -> None:
         assert 0 <= slot < self.num_state_slots, f"slot {slot} out of range"
@@ -129,14 +134,41 @@ class FakeEngine:
             self._kv[(block_table[pos // bs], pos % bs)] = (tok, fold(prefix, tok))
         if not row.sample:
             return RowOutput(row.request_id)
-        context = self._kv[(block_table[(row.end_pos - 1) // bs], (row.end_pos - 1) % bs)][1]
-        # a correct state folds the same tokens as the K/V chain; any other state changes the token
-        stray = b"" if state in (None, context) else b"stray" + state
-        token = self.forced.get((row.request_id, row.sample_index),
-                                fake_token(row.request_id, context + stray, self.vocab))
-        if self.honor_bans and token in row.banned_token_ids:   # like a sampler's mask: take the next allowed id
-            token = next(t for t in range(self.vocab) if t not in row.banned_token_ids)
-        return RowOutput(row.request_id, token=token)
+        draws = []
+        for d in range(row.num_draft + 1):
+            pos = row.end_pos - 1 - row.num_draft + d
+            context = self._kv[(block_table[pos // bs], pos % bs)][1]
+            # a correct state folds the same tokens as the K/V chain; any other state changes the token
+            stray = b"" if state in (None, context) else b"stray" + state
+            token = self.forced.get((row.request_id, row.sample_index + d),
+                                    fake_token(row.request_id, context + stray, self.vocab))
+            if self.honor_bans and token in row.banned_token_ids:   # like a sampler's mask: take the next allowed id
+                token = next(t for t in range(self.vocab) if t not in row.banned_token_ids)
+            draws.append(token)
+        return RowOutput(row.request_id, token=draws[0], verify=tuple(Draw(t) for t in draws[1:]))
+
+
+class OracleProposer:
+    """Proposes the tokens a FakeEngine without forced tokens or state slots will draw, each
+    replaced by a wrong one with probability `error`: random acceptance lengths."""
+
+    def __init__(self, vocab: int, error: float = 0.3, seed: int = 0) -> None:
+        self.vocab, self.error = vocab, error
+        self.rng = random.Random(seed)
+
+    def propose(self, req: Request, k: int) -> tuple[int, ...]:
+        digest = b""
+        for tok in req.all_token_ids:
+            digest = fold(digest, tok)
+        out = []
+        for _ in range(k):
+            tok = fake_token(req.id, digest, self.vocab)
+            out.append((tok + 1) % self.vocab if self.rng.random() < self.error else tok)
+            digest = fold(digest, out[-1])
+        return tuple(out)
+
+    def forget(self, request_id: str) -> None:
+        pass
 
 
 def record_plans(engine) -> list[tuple[StepPlan, StepResult]]:
@@ -172,10 +204,11 @@ def make_request(rid: str, n: int, max_tokens: int = 8, eos: tuple[int, ...] = (
     return Request(rid, prompt(n, seed), SamplingParams(max_tokens=max_tokens, **params), eos)
 
 
-def make_scheduler(max_waiting: int | None = None, prefix_cache: bool = False,
+def make_scheduler(max_waiting: int | None = None, prefix_cache: bool = False, speculator=None,
                    **engine_kw) -> tuple[Scheduler, FakeEngine, ManualClock]:
     engine, clock = FakeEngine(**engine_kw), ManualClock()
-    sched = Scheduler(engine, max_waiting=max_waiting, clock=clock, prefix_cache=prefix_cache)
+    sched = Scheduler(engine, max_waiting=max_waiting, clock=clock, prefix_cache=prefix_cache,
+                      speculator=speculator)
     return sched, engine, clock
 
 

@@ -1,5 +1,5 @@
-"""The monitor screen: every request in the engine, cache and slot usage, prefix-cache hits, rates
-and latencies.
+"""The monitor screen: every request in the engine, cache and slot usage, prefix-cache hits,
+speculative decoding's acceptance, rates and latencies.
 
 It draws the snapshots it is handed (the app polls the client) and asks the app to cancel the
 selected request with a message; it never talks to the engine itself."""
@@ -24,6 +24,15 @@ HISTORY = 60   # sparkline points (one per snapshot)
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def cache_line(snap: EngineSnapshot) -> str:
+    """Prefix-cache hits, and speculative decoding's acceptance once it has verified anything."""
+    line = f"prefix cache hit rate {snap.prefix_cache_hit_rate:.1%} · cached blocks {snap.cached_blocks}"
+    if snap.spec_proposed_tokens_total:
+        line += (f" · speculation {snap.spec_acceptance_rate:.1%} accepted, "
+                 f"{snap.spec_mean_acceptance_length:.2f} tokens per verify row")
+    return line
 
 
 class MonitorScreen(Screen):
@@ -77,8 +86,7 @@ class MonitorScreen(Screen):
             f"{snap.generation_tokens_per_s:.1f} tok/s")
         self.query_one("#latency", Label).update(
             f"TTFT p50 {_ms(snap.ttft_p50_s)} · ITL p50 {_ms(snap.itl_p50_s)} · ITL p99 {_ms(snap.itl_p99_s)}")
-        self.query_one("#cache", Label).update(
-            f"prefix cache hit rate {snap.prefix_cache_hit_rate:.1%} · cached blocks {snap.cached_blocks}")
+        self.query_one("#cache", Label).update(cache_line(snap))
         self.rates.append(snap.generation_tokens_per_s)
         self.query_one(Sparkline).data = list(self.rates)
         self._show_rows(snap)
