@@ -107,7 +107,7 @@ class InProcessClient:
         info = self._engine.info()
         return (f"{info.model} · {info.architecture} · {info.dtype} on {info.device} · "
                 f"weights {info.weights} · {info.kv_pool_tokens:,} K/V tokens "
-                f"({info.kv_pool_bytes / 2**30:.1f} GiB)")
+                f"({info.kv_pool_bytes / 2**30:.1f} GiB, {info.kv_cache_dtype})")
 
     def stream(self, messages: list[dict], *, temperature: float, max_tokens: int,
                client: str) -> ReplyStream:
@@ -220,7 +220,8 @@ class HttpClient:
             raise ConsoleClientError(f"{self.url} is not serving: {health}")
         props = self._get("/props")
         name = props.get("model") or props.get("model_path") or "model"
-        pool = (f" · {props['kv_pool_tokens']:,} K/V tokens ({props['kv_pool_bytes'] / 2**30:.1f} GiB)"
+        stored = f", {props['kv_cache_dtype']}" if "kv_cache_dtype" in props else ""
+        pool = (f" · {props['kv_pool_tokens']:,} K/V tokens ({props['kv_pool_bytes'] / 2**30:.1f} GiB{stored})"
                 if "kv_pool_bytes" in props else "")
         return f"{name} · {self.url}{pool}"
 

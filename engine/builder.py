@@ -10,7 +10,8 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.grammar import GrammarCompiler
-from engine.kv.pool import KVPool, KVShape, StatePool, plan_num_blocks, plan_num_state_slots
+from engine.kv.pool import (KVPool, KVShape, StatePool, plan_num_blocks, plan_num_state_slots,
+                            resolve_kv_cache_dtype)
 from engine.loading.checkpoint import open_checkpoint
 from engine.loading.model_config import ModelConfig, parse_model_config
 from engine.loading.tokenizer import load_tokenizer
@@ -145,7 +146,8 @@ def _build(cfg: EngineConfig, progress) -> Engine:
     kv_layers, state_shape = model.num_kv_layers, model.state_shape
     ckpt.close()
     num_slots = plan_num_state_slots(cfg.max_concurrency, cfg.state_spare_slots) if state_shape else 0
-    shape = KVShape(kv_layers, model_cfg.num_kv_heads, model_cfg.head_dim, cfg.block_size, dtype)
+    kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, device, dtype)
+    shape = KVShape(kv_layers, model_cfg.num_kv_heads, model_cfg.head_dim, cfg.block_size, kv_dtype)
     blocks = plan_num_blocks(shape, kv_pool_tokens=cfg.kv_pool_tokens,
                              max_concurrency=cfg.max_concurrency, max_model_len=max_len,
                              device=device,

@@ -80,14 +80,14 @@ class EngineConfig:
     cuda_graphs: bool = _key(True, "true or false", lambda v: True,
                              "on GPUs, replay decode-only steps from CUDA graphs (one per batch-size bucket; "
                              "not for MoE models)")
+    kv_cache_dtype: str = _choice("auto", ("auto", "model", "bf16", "fp16", "fp32"), "K/V cache storage; auto = bf16 on CPUs whatever dtype is (attention widens it as it reads), the model's dtype on GPUs; model = dtype")
     prefix_cache: bool = _key(True, "true or false", lambda v: True, "reuse K/V blocks of prompts seen before")
     speculative: str = _choice("none", ("none", "ngram"), "speculative decoding; ngram = verify, in the same step, the tokens that "
                                "followed an earlier occurrence of the latest ones (prompt lookup); greedy output is unchanged; dense models only")
     num_speculative_tokens: int = _key(5, "an integer between 1 and 32", lambda v: 1 <= v <= 32, "most tokens proposed per request and step")
     ngram_min: int = _key(2, "an integer between 1 and 16", lambda v: 1 <= v <= 16, "shortest run of latest tokens the ngram proposer looks up")
     ngram_max: int = _key(4, "an integer between 1 and 16, >= ngram_min", lambda v: 1 <= v <= 16, "longest run looked up (tried first)")
-    state_spare_slots: int = _key(4, "an integer >= 0", lambda v: v >= 0,
-                                  "extra recurrent-state slots that hold prefix-cache checkpoints (hybrid models)")
+    state_spare_slots: int = _key(4, "an integer >= 0", lambda v: v >= 0, "extra recurrent-state slots that hold prefix-cache checkpoints (hybrid models)")
     threads: int = _key(0, "an integer >= 0 (0 = all cores)", lambda v: v >= 0, "CPU threads for torch; 0 = all cores")
     max_waiting: int = _key(256, "an integer >= 1", lambda v: v >= 1,
                             "most requests queued before the server answers 503")

@@ -2,6 +2,8 @@
 
 Row i owns q[qsl[i]:qsl[i+1]] (n_i tokens at positions ctx_i - n_i .. ctx_i - 1); its keys/values for
 positions 0 .. ctx_i - 1 are already in the cache, position p at block_tables[i][p // BS], offset p % BS.
+The cache may be stored in a narrower dtype than q (ops.write_kv.KV_CACHE_DTYPES): K/V are widened as they
+are read, and the output has q's dtype.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ops._registry import NAMESPACE, impl, register, require
+from ops.write_kv import check_cache_dtype
 
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor, context_lens: Tensor,
@@ -22,9 +25,8 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor,
     require(k_cache.shape[3] == q.shape[2] and q.shape[1] % k_cache.shape[2] == 0, op,
             f"q heads {q.shape[1]} must be a multiple of cache heads {k_cache.shape[2]} and head_dim must match "
             f"(q {q.shape[2]}, cache {k_cache.shape[3]})")
-    require(q.dtype == k_cache.dtype == v_cache.dtype, op,
-            f"q and the caches must share a dtype, "
-            f"got q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    require(q.is_floating_point(), op, f"q must be a floating tensor, got {q.dtype}")
+    check_cache_dtype(op, k_cache, v_cache)
     rows = context_lens.shape[0] if context_lens.dim() == 1 else -1
     require(context_lens.dtype == torch.int32 and rows >= 0, op,
             f"context_lens must be int32 [B], got {context_lens.dtype} {tuple(context_lens.shape)}")
@@ -48,8 +50,9 @@ def _check_lengths(starts: list[int], ctx: list[int], num_tokens: int, table_pos
 
 def reference_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor,
                               context_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
+    """In float64 on the K/V as stored (i.e. after their rounding to the cache dtype)."""
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
-    out = torch.zeros(q.shape, dtype=torch.float32)
+    out = torch.zeros(q.shape, dtype=torch.float64)
     starts = query_start_loc.tolist()
     for i, n_ctx in enumerate(context_lens.tolist()):
         n = starts[i + 1] - starts[i]
@@ -58,8 +61,8 @@ def reference_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query
             keys = torch.stack([k_cache[block_tables[i, p // block_size], p % block_size] for p in range(pos + 1)])
             values = torch.stack([v_cache[block_tables[i, p // block_size], p % block_size] for p in range(pos + 1)])
             for h in range(q.shape[1]):
-                scores = keys[:, h // group].float() @ q[starts[i] + j, h].float() * scale
-                out[starts[i] + j, h] = torch.softmax(scores, dim=0) @ values[:, h // group].float()
+                scores = keys[:, h // group].double() @ q[starts[i] + j, h].double() * scale
+                out[starts[i] + j, h] = torch.softmax(scores, dim=0) @ values[:, h // group].double()
     return out.to(q.dtype)
 
 
@@ -76,8 +79,8 @@ def _decode_rows(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, rows:
     used = torch.arange(num_blocks)[None, :] * block_size < lens[:, None]
     blocks = torch.where(used, blocks, 0).flatten()      # table entries past a row's context may be junk
     padded = num_blocks * block_size
-    keys = k_cache.index_select(0, blocks).view(num_rows, padded, kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, blocks).view(num_rows, padded, kv_heads, head_dim).transpose(1, 2)
+    keys = k_cache.index_select(0, blocks).to(q.dtype).view(num_rows, padded, kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, blocks).to(q.dtype).view(num_rows, padded, kv_heads, head_dim).transpose(1, 2)
     valid = (torch.arange(padded)[None, :] < lens[:, None])[:, None, None, :]     # [R, 1, 1, L]
     token_ids = torch.tensor([starts[r] for r in rows], dtype=torch.long)
     queries = q.index_select(0, token_ids).view(num_rows, kv_heads, group, head_dim)
@@ -90,8 +93,9 @@ def _prefill_row(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, start
                  table: Tensor, scale: float) -> None:
     block_size = k_cache.shape[1]
     blocks = table[: (n_ctx + block_size - 1) // block_size].long()
-    keys = k_cache.index_select(0, blocks).flatten(0, 1)[:n_ctx].transpose(0, 1)   # [Hk, ctx, D]
-    values = v_cache.index_select(0, blocks).flatten(0, 1)[:n_ctx].transpose(0, 1)
+    # the gathered copy of a narrower cache is widened to q's dtype for SDPA
+    keys = k_cache.index_select(0, blocks).to(q.dtype).flatten(0, 1)[:n_ctx].transpose(0, 1)   # [Hk, ctx, D]
+    values = v_cache.index_select(0, blocks).to(q.dtype).flatten(0, 1)[:n_ctx].transpose(0, 1)
     queries = q[start:start + n].transpose(0, 1)                                   # [Hq, n, D]
     if n == n_ctx:
         mask, causal = None, True

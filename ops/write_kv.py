@@ -1,10 +1,21 @@
-"""`pagedserve::write_kv`: scatter new K/V rows into the paged cache at their slots (block * BS + offset)."""
+"""`pagedserve::write_kv`: scatter new K/V rows into the paged cache at their slots (block * BS + offset),
+converted to the cache's storage dtype (rounded to nearest even, as `Tensor.to` does)."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from ops._registry import NAMESPACE, impl, register, require
+
+# Storage dtypes of the paged K/V cache, independent of the activations' dtype: attention widens on read.
+KV_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_cache_dtype(op: str, k_cache: Tensor, v_cache: Tensor) -> None:
+    allowed = ", ".join(str(d).removeprefix("torch.") for d in KV_CACHE_DTYPES)
+    require(k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_CACHE_DTYPES, op,
+            f"k_cache and v_cache must share one K/V storage dtype ({allowed}), "
+            f"got {k_cache.dtype} and {v_cache.dtype}")
 
 
 def _check(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
@@ -14,9 +25,9 @@ def _check(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping:
     require(k.dim() == 3 and k.shape == v.shape and k.shape[1:] == k_cache.shape[2:], op,
             f"k and v must be [T, Hk, D] with (Hk, D)={tuple(k_cache.shape[2:])} from the cache, "
             f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    require(k.dtype == v.dtype == k_cache.dtype == v_cache.dtype, op,
-            f"k, v and the caches must share a dtype, got k {k.dtype}, v {v.dtype}, "
-            f"k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    check_cache_dtype(op, k_cache, v_cache)
+    require(k.dtype == v.dtype and k.is_floating_point(), op,
+            f"k and v must share a floating dtype, got k {k.dtype}, v {v.dtype}")
     require(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (k.shape[0],), op,
             f"slot_mapping must be int64 [T={k.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
 
@@ -41,8 +52,8 @@ def torch_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_
     slots = slot_mapping.index_select(0, keep)
     # (block, offset) indexing works for caches of any stride, unlike a flat view.
     blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
-    k_cache.index_put_((blocks, offsets), k.index_select(0, keep))
-    v_cache.index_put_((blocks, offsets), v.index_select(0, keep))
+    k_cache.index_put_((blocks, offsets), k.index_select(0, keep).to(k_cache.dtype))
+    v_cache.index_put_((blocks, offsets), v.index_select(0, keep).to(v_cache.dtype))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::write_kv", mutates_args=("k_cache", "v_cache"))

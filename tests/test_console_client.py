@@ -43,7 +43,8 @@ class FakeServer:
             return httpx.Response(200, json={"status": "ok"})
         if route == ("GET", "/props"):
             return httpx.Response(200, json={"model": "tiny-qwen", "max_model_len": 512,
-                                             "kv_pool_tokens": 65664, "kv_pool_bytes": 3 * 2**30 // 2})
+                                             "kv_pool_tokens": 65664, "kv_pool_bytes": 3 * 2**30 // 2,
+                                             "kv_cache_dtype": "bfloat16"})
         if route == ("POST", "/v1/chat/completions"):
             usage = {"id": "req-7", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
             return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=sse(
@@ -70,7 +71,7 @@ def test_http_client_streams_a_reply_with_the_engine_id_and_usage():
     server = FakeServer()
     client = http_client(server)
     assert (client.connect(progress=lambda d, t: None)
-            == "tiny-qwen · http://127.0.0.1:8000 · 65,664 K/V tokens (1.5 GiB)")
+            == "tiny-qwen · http://127.0.0.1:8000 · 65,664 K/V tokens (1.5 GiB, bfloat16)")
     reply = client.stream([{"role": "user", "content": "hi"}], temperature=0.0, max_tokens=2, client="s1")
     deltas = list(reply)
     assert "".join(d.text for d in deltas) == "Hello" and reply.id == "req-7"

@@ -80,9 +80,9 @@ def test_paged_attention_decode_with_strided_caches_and_any_block_size(block):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5, 9])
-def test_paged_attention_decode_splits_kv_heads_over_work_items(rows):
-    """Few rows: each row's 8 kv heads are cut into shares (on 2 threads: 8, 3, 2 or 1 shares of 1, 3, 4 or
-    8 heads, a last share of 3 heads shorter), and every head must be computed once."""
+def test_paged_attention_decode_few_rows_of_many_kv_heads(rows):
+    """Few short rows of 8 kv heads (too little work to cut between threads; tests/test_kv_cache_dtype.py
+    cuts long rows): every head of every row must come out once."""
     q, kc, vc, qsl, ctx, tables = _paged([(5 + 7 * i, 1) for i in range(rows)], 16, 8, 64, torch.float32,
                                          seed=rows)
     got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)

@@ -1,5 +1,6 @@
 """K/V pool sizing (engine/kv/pool.py): a CPU pool holds what the configured concurrency needs, within
-a share of free memory; a GPU pool takes what free memory allows; pool memory is committed as used."""
+a share of free memory; a GPU pool takes what free memory allows; pool memory is committed as used; the
+storage dtype (kv_cache_dtype) sizes it."""
 from __future__ import annotations
 
 import psutil
@@ -7,7 +8,10 @@ import pytest
 import torch
 
 from engine.kv import pool as pool_module
-from engine.kv.pool import KVShape, PoolSizeError, lazy_zeros, plan_num_blocks
+from dataclasses import replace
+
+from engine.kv.pool import (KVCacheDtypeError, KVPool, KVShape, PoolSizeError, lazy_zeros, plan_num_blocks,
+                            resolve_kv_cache_dtype)
 
 SHAPE = KVShape(num_layers=28, kv_heads=2, head_dim=128, block_size=16, dtype=torch.float32)  # 1.5B-like
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
@@ -61,3 +65,27 @@ def test_pool_memory_is_committed_only_as_it_is_written():
     assert not k[::97].any() and not v[::97].any()
     v[:64] = 1.0
     assert v[:64].all() and not v[64:128].any()
+
+
+def test_a_16_bit_pool_holds_twice_the_tokens_in_the_same_memory(monkeypatch):
+    _free(monkeypatch, 2)
+    half = replace(SHAPE, dtype=torch.bfloat16)
+    assert half.bytes_per_block * 2 == SHAPE.bytes_per_block
+    wide = plan_num_blocks(SHAPE, kv_pool_tokens=0, max_concurrency=64, max_model_len=4096, device=CPU)
+    narrow = plan_num_blocks(half, kv_pool_tokens=0, max_concurrency=64, max_model_len=4096, device=CPU)
+    assert narrow == 2 * wide
+    pool = KVPool(replace(SHAPE, num_layers=2, dtype=torch.float16), 4, CPU)
+    assert {t.dtype for layer in pool.layers for t in layer} == {torch.float16}
+    assert pool.nbytes == 2 * 2 * 4 * 16 * 2 * 128 * 2
+
+
+def test_kv_cache_dtype_names():
+    # auto: a 16-bit cache on CPUs whatever the activations; the model's dtype on GPUs
+    assert resolve_kv_cache_dtype("auto", CPU, torch.float32) == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", CPU, torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", GPU, torch.float16) == torch.float16
+    assert resolve_kv_cache_dtype("model", CPU, torch.float32) == torch.float32
+    assert [resolve_kv_cache_dtype(n, CPU, torch.float32) for n in ("bf16", "fp16", "fp32")] == [
+        torch.bfloat16, torch.float16, torch.float32]
+    with pytest.raises(KVCacheDtypeError, match='kv_cache_dtype = .q8_0.: allowed are "auto", "model", "bf16"'):
+        resolve_kv_cache_dtype("q8_0", CPU, torch.float32)

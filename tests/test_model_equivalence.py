@@ -61,7 +61,9 @@ def test_prefill_logits_match_transformers(variant):
 
 
 def test_greedy_tokens_match_transformers(variant):
-    llm = LLM(model=str(variant), dtype="float32", max_model_len=128, kv_pool_tokens=1024)
+    # exact against transformers: fp32 K/V too (the default, auto, stores bf16 on CPUs; its fidelity is
+    # tests/test_kv_cache_fidelity.py's)
+    llm = LLM(model=str(variant), dtype="float32", max_model_len=128, kv_pool_tokens=1024, kv_cache_dtype="fp32")
     hf = hf_model(variant)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)

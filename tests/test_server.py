@@ -41,8 +41,9 @@ def model_dir(tiny_checkpoint):
 def server(model_dir):
     # the body limit comes from the environment: precedence flag > env > file works through click
     # keep-alive comments every 50 ms: a queued request sees several long before its first token
+    # fp32 K/V: the completions are compared with transformers' logprobs (the default stores bf16 on CPUs)
     with ServerProcess(model_dir, "--api-key", API_KEY, "--max-concurrency", "4", "--sse-keepalive-s", "0.05",
-                       max_model_len=MAX_MODEL_LEN,
+                       "--kv-cache-dtype", "fp32", max_model_len=MAX_MODEL_LEN,
                        env={"PAGEDSERVE_MAX_BODY_BYTES": str(MAX_BODY_BYTES)}) as srv:
         yield srv
 

@@ -90,6 +90,17 @@ def test_paged_attention_bf16_decode_batch_with_default_split():
     _close(out, reference_paged_attention(q, k_cache, v_cache, qsl, ctx, tables, 0.25), torch.bfloat16)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_paged_attention_reads_a_16_bit_cache_with_fp32_queries(kv_dtype):
+    """kv_cache_dtype narrower than the activations: decode rows (split-K) and a prefill chunk after a cached
+    prefix, against the reference on the cache as stored."""
+    q, k_cache, v_cache, qsl, ctx, tables = _paged_batch(ROWS, 4, 2, 16, torch.float32, pad_tokens=1)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    out = _run("paged_attention", q, k_cache, v_cache, qsl, ctx, tables, 0.3, num_splits=2)
+    assert out.dtype == torch.float32
+    _close(out, reference_paged_attention(q, k_cache, v_cache, qsl, ctx, tables, 0.3), torch.float32)
+
+
 # ---------------------------------------------------------------- write_kv, norms, rotary, activation
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -103,6 +114,21 @@ def test_write_kv_matches_reference_and_skips_padding(dtype):
     reference_write_kv(expected_k, expected_v, k, v, slots)
     _run("write_kv", k_cache, v_cache, k, v, slots)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_write_kv_converts_to_the_cache_dtype(kv_dtype):
+    g = _gen(4)
+    k_cache, v_cache = torch.zeros(3, 16, 2, 24, dtype=kv_dtype), torch.zeros(3, 16, 2, 24, dtype=kv_dtype)
+    k, v = torch.randn(4, 2, 24, generator=g), torch.randn(4, 2, 24, generator=g)
+    slots = torch.tensor([0, 17, -1, 47])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference_write_kv(expected_k, expected_v, k, v, slots)
+    _run("write_kv", k_cache, v_cache, k, v, slots)
+    # the interpreter's fp32 -> bf16 cast truncates: within one bf16 ulp of the rounded reference
+    ulp = dict(atol=0, rtol=2 ** -7) if kv_dtype == torch.bfloat16 else dict(atol=0, rtol=0)
+    torch.testing.assert_close(k_cache, expected_k, **ulp)
+    torch.testing.assert_close(v_cache, expected_v, **ulp)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,9 +3,9 @@ in the memory left after the weights and the state slots."""
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import psutil
 import torch
 
@@ -16,8 +16,35 @@ class PoolSizeError(UserError, RuntimeError):
     """The K/V pool cannot hold one full-length sequence; the message says what to change."""
 
 
+class KVCacheDtypeError(UserError, ValueError):
+    """An unknown kv_cache_dtype; the message lists the allowed names."""
+
+
+# kv_cache_dtype names -> storage dtypes (the block-quantized q8_0 / q4_0 types are a later step). "model"
+# stores K/V in the activations' dtype; "auto" picks per device, see resolve_kv_cache_dtype.
+KV_CACHE_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KV_CACHE_DTYPE_CHOICES = ("auto", "model", *KV_CACHE_DTYPE_NAMES)
+
+
+def resolve_kv_cache_dtype(choice: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """The K/V storage dtype for `choice`. `auto` on CPUs is bf16 whatever the activations' dtype: decode
+    attention there is bound by the K/V it reads and widens them as it reads; bf16 widens with a shift and
+    a mask where fp16 takes a dearer conversion instruction (and has less range), and bf16 K/V against bf16
+    queries use the CPU's bf16 dot products where it has them. On GPUs `auto` is the model's dtype."""
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cpu" else model_dtype
+    if choice == "model":
+        return model_dtype
+    if choice not in KV_CACHE_DTYPE_NAMES:
+        raise KVCacheDtypeError(f"kv_cache_dtype = {choice!r}: allowed are "
+                                + ", ".join(f'"{c}"' for c in KV_CACHE_DTYPE_CHOICES))
+    return KV_CACHE_DTYPE_NAMES[choice]
+
+
 @dataclass(frozen=True)
 class KVShape:
+    """One attention layer's paged K/V, per layer and block; `dtype` is the storage dtype, which may be
+    narrower than the activations' (the ops convert on write and read), and sizes the pool."""
     num_layers: int
     kv_heads: int
     head_dim: int
@@ -75,16 +102,24 @@ def plan_num_blocks(shape: KVShape, *, kv_pool_tokens: int, max_concurrency: int
     return int(blocks)
 
 
+HUGE_PAGE = 2 << 20
+
+
 def lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros whose CPU memory is only committed as it is first written: calloc'd pages (numpy's
-    zeros) come from the OS already zero, while torch.zeros writes every byte at once. Aligned to 64
-    bytes, as torch's own allocations are."""
+    """Zeros whose CPU memory is only committed as it is first written: an anonymous mapping's pages
+    come from the OS already zero, while torch.zeros writes every byte at once. Aligned to 2 MiB and
+    marked for transparent huge pages (where the kernel has them in `madvise` mode or `always`):
+    decode attention reads blocks scattered over the whole pool, and with 4 KiB pages nearly every
+    block is a TLB miss and the hardware prefetchers stop at every page boundary."""
     if device.type != "cpu":
         return torch.zeros(dims, dtype=dtype, device=device)
     nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + 64, dtype=np.uint8)
-    start = -raw.ctypes.data % 64
-    return torch.from_numpy(raw[start:start + nbytes]).view(dtype).view(dims)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)       # keeps the mapping alive
+    start = -raw.data_ptr() % HUGE_PAGE
+    return raw[start:start + nbytes].view(dtype).view(dims)
 
 
 class KVPool:

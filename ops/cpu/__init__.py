@@ -4,7 +4,8 @@
 (~15 s, cached under the user cache dir, see ops/cpu/build.py). Without a working compiler one line is
 logged and the torch bodies stay registered. PAGEDSERVE_CPU_KERNELS=0 skips the build on purpose.
 
-Ops with a kernel: paged_attention (decode rows; prefill rows keep torch's SDPA), write_kv, rotary,
+Ops with a kernel: paged_attention (decode rows, K/V stored in fp32, bf16 or fp16; prefill rows keep
+torch's SDPA), write_kv (converting to the cache's dtype), rotary,
 quant_linear, rms_norm and add_rms_norm (these round where transformers does; only the order of the
 sum of squares differs, so outputs may differ from the torch body by an ulp or two). silu_and_mul stays
 in torch: its exp is torch's own.
@@ -25,7 +26,7 @@ from ops.dense_linear import SMALL_ROWS, torch_dense_linear
 from ops.quant_linear import reference_quant_linear
 from ops.rms_norm import torch_add_rms_norm, torch_rms_norm
 from ops.rotary import torch_rotary
-from ops.write_kv import torch_write_kv
+from ops.write_kv import KV_CACHE_DTYPES, torch_write_kv
 
 log = logging.getLogger(__name__)
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
@@ -37,7 +38,8 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
                         context_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
     starts, ctx = query_start_loc.tolist(), context_lens.tolist()
     _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])
-    if q.dtype not in KERNEL_DTYPES or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
+    if (q.dtype not in KERNEL_DTYPES or k_cache.dtype not in KV_CACHE_DTYPES or k_cache.stride(3) != 1
+            or v_cache.stride() != k_cache.stride() or q.shape[2] % 2):
         return torch_paged_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale)
     out = _lib.paged_attention_decode(q.contiguous(), k_cache, v_cache, query_start_loc, context_lens,
                                       block_tables, scale)

@@ -1,185 +1,244 @@
-// Decode rows of pagedserve::paged_attention: K/V read in place from the paged cache (no gather copy),
-// online softmax in fp32, the G query heads of a kv head going over each K/V block while it is in L1.
+// Decode rows of pagedserve::paged_attention (one new token per row) against the paged K/V cache, for K/V
+// stored as fp32, bf16 or fp16: each K/V vector is widened to fp32 in registers as it is read, and the
+// softmax and accumulators stay in fp32.
+//
+// Flash-decoding: the context blocks of all decode rows, laid end to end, are cut into one equal share per
+// thread, so a single long row keeps every core busy and ragged rows balance. A share keeps a running max,
+// sum and unnormalised output per query head; the shares of a row that was cut are merged at the end.
+// Within a share the kernel walks the row's blocks; for each kv head it scores and accumulates the G query
+// heads of the GQA group together (attention_tile.h: register tiles of G heads x a few keys), so K/V come
+// from memory once, while a later block is prefetched (block tables scatter blocks, which the hardware
+// prefetcher cannot follow). Queries and outputs are kept in the lane order of simd.h's `lane`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-#include "bf16.h"
-#include "vec.h"
+#include "attention_tile.h"
 
 namespace {
 
-using pagedserve_cpu::from_float;
-using pagedserve_cpu::to_float;
-#ifdef __AVX2__
-using pagedserve_cpu::hsum;
-using pagedserve_cpu::load8;
-#endif
+using namespace pagedserve_cpu::attention;
 
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * to_float(b[i]);
-  return s;
-}
+constexpr int64_t kMinShare = 256;  // positions below which a share is not worth a thread of its own
+constexpr int64_t kAhead = 2;       // blocks between the one being read and the one being prefetched
 
-
-// One head's scores against a block's keys. The AVX2 path takes four keys at a time: four independent
-// FMA chains sharing each load of q (one dot at a time was a chain of dependent adds; with the loop
-// below, the op ran 2.3-2.6x faster at 8 rows x 128 tokens, 0.6B shapes).
-template <typename T>
-void block_scores(const float* qg, const T* keys, int64_t slot_stride, int64_t len, int64_t dim, float* out) {
-  int64_t j = 0;
-#ifdef __AVX2__
-  if (dim % 8 == 0)
-    for (; j + 4 <= len; j += 4) {
-      __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t d = 0; d < dim; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(qg + d);
-        for (int u = 0; u < 4; ++u) a[u] = _mm256_fmadd_ps(qv, load8(keys + (j + u) * slot_stride + d), a[u]);
-      }
-      for (int u = 0; u < 4; ++u) out[j + u] = hsum(a[u]);
-    }
-#endif
-  for (; j < len; ++j) out[j] = dot(qg, keys + j * slot_stride, dim);
-}
-
-// ag += sum over the block's keys of w[j] * v_j. The AVX2 path holds 32 outputs in registers across the
-// keys; adding into memory once per key made each output a chain through store forwarding.
-template <typename T>
-void block_values(const float* w, const T* values, int64_t slot_stride, int64_t len, int64_t dim, float* ag) {
-  int64_t d0 = 0;
-#ifdef __AVX2__
-  for (; d0 + 32 <= dim; d0 += 32) {
-    __m256 a[4];
-    for (int u = 0; u < 4; ++u) a[u] = _mm256_loadu_ps(ag + d0 + 8 * u);
-    for (int64_t j = 0; j < len; ++j) {
-      const __m256 wj = _mm256_set1_ps(w[j]);
-      for (int u = 0; u < 4; ++u) a[u] = _mm256_fmadd_ps(wj, load8(values + j * slot_stride + d0 + 8 * u), a[u]);
-    }
-    for (int u = 0; u < 4; ++u) _mm256_storeu_ps(ag + d0 + 8 * u, a[u]);
-  }
-#endif
-  for (int64_t j = 0; j < len; ++j)
-    for (int64_t d = d0; d < dim; ++d) ag[d] += w[j] * to_float(values[j * slot_stride + d]);
-}
-
-struct CacheView {
-  int64_t block_stride, slot_stride, head_stride, num_blocks, block_size;
+struct Cache {
+  int64_t block_stride, slot_stride, head_stride, num_blocks, block_size, dim;
 };
 
-// One row's decode token: the G query heads of each kv head in [head_begin, head_end) against the row's
-// first `ctx` cached positions. Blocks outside, heads inside: a block holds every kv head's keys side by
-// side (4 KB per position at 8 heads x 128 fp32), and walking one head at a time over all blocks read 512 B
-// of every 4 KB, leaving the rest to other threads at other times (8 rows x 1,000 positions, 0.6B heads,
-// old and new builds alternated in four runs: 4.6-6.2 ms -> 3.3-5.3 ms; 1-32 rows x 140: no worse).
-template <typename T>
-void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const CacheView& cache, const int32_t* table,
-            int64_t ctx, int64_t head_begin, int64_t head_end, int64_t group, int64_t dim, float scale,
-            std::vector<float>& scratch) {
-  const int64_t bs = cache.block_size, heads = (head_end - head_begin) * group;   // query heads here
-  scratch.assign(heads * dim * 2 + group * bs + 2 * heads, 0.f);
-  float* qf = scratch.data();                 // [heads, D] scaled queries
-  float* acc = qf + heads * dim;              // [heads, D] unnormalised outputs
-  float* p = acc + heads * dim;               // [G, BS] one kv head's scores in this block, then weights
-  float* run_max = p + group * bs;            // [heads]
-  float* run_sum = run_max + heads;           // [heads]
-  q += head_begin * group * dim;
-  out += head_begin * group * dim;
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] = to_float(q[h * dim + d]) * scale;
-    run_max[h] = -std::numeric_limits<float>::infinity();
+// Running state of one share of one row: per query head the max, sum and unnormalised output.
+struct Partial {
+  std::vector<float> max, sum, acc;
+  void reset(int64_t heads, int64_t dim) {
+    max.assign(heads, kNegInf);
+    sum.assign(heads, 0.f);
+    acc.assign(heads * dim, 0.f);
   }
-  for (int64_t start = 0; start < ctx; start += bs) {
-    const int64_t block = table[start / bs];
-    TORCH_CHECK(block >= 0 && block < cache.num_blocks, "pagedserve::paged_attention: block_tables entry ",
-                block, " for position ", start, " is outside the cache's ", cache.num_blocks, " blocks");
-    const int64_t len = std::min(bs, ctx - start);
-    for (int64_t kv = head_begin; kv < head_end; ++kv) {
-      const int64_t base = block * cache.block_stride + kv * cache.head_stride, first = (kv - head_begin) * group;
-      for (int64_t g = 0; g < group; ++g)
-        block_scores(qf + (first + g) * dim, k_cache + base, cache.slot_stride, len, dim, p + g * bs);
-      for (int64_t g = 0; g < group; ++g) {
-        float* pg = p + g * bs;
-        const int64_t h = first + g;
-        float m = run_max[h];
-        for (int64_t j = 0; j < len; ++j) m = std::max(m, pg[j]);
-        const float correction = std::exp(run_max[h] - m);   // exp(-inf) = 0 on the first block
-        float sum = 0.f;
-        for (int64_t j = 0; j < len; ++j) {
-          pg[j] = std::exp(pg[j] - m);
-          sum += pg[j];
+};
+
+template <class S, class C>
+struct Decode {
+  const void* q;         // [T, Hq, D], fp32 (bf16 for the dot-product set)
+  float* out;            // [T, Hq, D] fp32
+  const C* k_cache;
+  const C* v_cache;
+  Cache cache;
+  const int32_t* starts;
+  const int32_t* lens;
+  const int32_t* table;
+  int64_t width, q_heads, kv_heads;
+  float scale;
+
+  // The row's queries in the keys' lane order (bf16 dot products pair keys and queries as stored).
+  void stage(int64_t row, std::vector<Query<S>>& qs) const {
+    const int64_t dim = cache.dim, n = q_heads * dim;
+    const auto* src = static_cast<const Query<S>*>(q) + static_cast<int64_t>(starts[row]) * n;
+    qs.resize(n);
+    for (int64_t h = 0; h < q_heads; ++h)
+      for (int64_t d = 0; d < dim; ++d) qs[h * dim + (kDotBf16<S> ? d : lane<S, C>(d))] = src[h * dim + d];
+  }
+
+  // Blocks [first, last) of `row` into `st` (already reset).
+  void run(int64_t row, int64_t first, int64_t last, const Query<S>* qs, Partial& st, Scratch<S>& scratch) const {
+    const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads, ctx = lens[row];
+    const int32_t* blocks = table + row * width;
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t block = blocks[b];
+      TORCH_CHECK(block >= 0 && block < cache.num_blocks, "pagedserve::paged_attention: block_tables entry ",
+                  block, " for position ", b * bs, " is outside the cache's ", cache.num_blocks, " blocks");
+      const int64_t next = b + kAhead < last ? blocks[b + kAhead] : -1;
+      const bool ahead = next >= 0 && next < cache.num_blocks;     // a bad entry is reported on its turn
+      const int len = static_cast<int>(std::min(bs, ctx - b * bs));
+      for (int64_t kv = 0; kv < kv_heads; ++kv) {
+        const int64_t base = block * cache.block_stride + kv * cache.head_stride;
+        const int64_t base_ahead = next * cache.block_stride + kv * cache.head_stride;
+        for (int t0 = 0; t0 < len; t0 += kTile) {
+          const int n = std::min(kTile, len - t0);
+          const int64_t tile = base + t0 * cache.slot_stride, tile_ahead = base_ahead + t0 * cache.slot_stride;
+          for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+            const int64_t h = kv * group + g0;
+            const bool fetch = ahead && g0 == 0;
+            attend_group<S, C>(static_cast<int>(std::min<int64_t>(kMaxGroup, group - g0)), qs + h * dim,
+                               st.acc.data() + h * dim, st.max.data() + h, st.sum.data() + h, k_cache + tile,
+                               v_cache + tile, cache.slot_stride, n, dim, scale, scratch,
+                               fetch ? k_cache + tile_ahead : nullptr, fetch ? v_cache + tile_ahead : nullptr);
+          }
         }
-        run_sum[h] = run_sum[h] * correction + sum;
-        run_max[h] = m;
-        float* ah = acc + h * dim;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) ah[d] *= correction;
       }
-      for (int64_t g = 0; g < group; ++g)
-        block_values(p + g * bs, v_cache + base, cache.slot_stride, len, dim, acc + (first + g) * dim);
     }
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    const float inv = run_sum[h] > 0.f ? 1.f / run_sum[h] : 0.f;
-    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = from_float<T>(acc[h * dim + d] * inv);
+
+  void finish(int64_t row, const Partial& st) const {
+    const int64_t dim = cache.dim;
+    float* o = out + static_cast<int64_t>(starts[row]) * q_heads * dim;
+    for (int64_t h = 0; h < q_heads; ++h) {
+      const float inv = 1.f / st.sum[h];
+      for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = st.acc[h * dim + lane<S, C>(d)] * inv;
+    }
   }
+
+  // A row's output from the shares its blocks were cut into (parts of one softmax, rescaled to a common max).
+  void merge(int64_t row, const std::vector<const Partial*>& parts) const {
+    const int64_t dim = cache.dim;
+    float* o = out + static_cast<int64_t>(starts[row]) * q_heads * dim;
+    for (int64_t h = 0; h < q_heads; ++h) {
+      float m = kNegInf, total = 0.f;
+      for (const Partial* p : parts) m = std::max(m, p->max[h]);
+      std::fill(o + h * dim, o + (h + 1) * dim, 0.f);
+      for (const Partial* p : parts) {
+        const float w = exp_nonpositive<Scalar>(p->max[h] - m);
+        total += p->sum[h] * w;
+        for (int64_t d = 0; d < dim; ++d) o[h * dim + d] += p->acc[h * dim + lane<S, C>(d)] * w;
+      }
+      for (int64_t d = 0; d < dim; ++d) o[h * dim + d] /= total;
+    }
+  }
+
+  // Cuts the decode rows' blocks into `shares` equal ranges (0: one per thread, fewer for short work).
+  void operator()(int64_t rows, int64_t shares) const {
+    std::vector<int64_t> first(rows + 1, 0);         // global index of each row's first block
+    for (int64_t r = 0; r < rows; ++r) {
+      const bool decode = starts[r + 1] - starts[r] == 1;
+      first[r + 1] = first[r] + (decode ? (lens[r] + cache.block_size - 1) / cache.block_size : 0);
+    }
+    const int64_t total = first[rows];
+    if (total == 0) return;
+    if (shares <= 0) {
+      const int64_t min_blocks = std::max<int64_t>(1, kMinShare / cache.block_size);
+      shares = std::clamp<int64_t>(total / min_blocks, 1, at::get_num_threads());
+    }
+    shares = std::min(shares, total);
+    // a share's first and last pieces may be parts of rows: slots 2 * share and 2 * share + 1
+    std::vector<Partial> partial(2 * shares);
+    std::vector<int64_t> partial_row(2 * shares, -1);
+    at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
+      Scratch<S> scratch{};
+      Partial st;
+      std::vector<Query<S>> qs;
+      for (int64_t sh = begin; sh < end; ++sh) {
+        const int64_t lo = total * sh / shares, hi = total * (sh + 1) / shares;
+        int64_t row = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
+        for (int64_t from = lo; from < hi; ++row) {
+          const int64_t piece_end = std::min(hi, first[row + 1]);
+          if (piece_end == from) continue;           // prefill rows own no blocks here
+          const bool whole = from == first[row] && piece_end == first[row + 1];
+          const int64_t slot = 2 * sh + (from == lo ? 0 : 1);
+          Partial& target = whole ? st : partial[slot];
+          target.reset(q_heads, cache.dim);
+          stage(row, qs);
+          run(row, from - first[row], piece_end - first[row], qs.data(), target, scratch);
+          if (whole)
+            finish(row, st);
+          else
+            partial_row[slot] = row;
+          from = piece_end;
+        }
+      }
+    });
+    std::vector<const Partial*> parts;
+    for (int64_t slot = 0; slot < 2 * shares;) {   // a cut row's pieces sit in increasing slots
+      const int64_t row = partial_row[slot];
+      if (row < 0) {
+        ++slot;
+        continue;
+      }
+      parts.clear();
+      for (; slot < 2 * shares && (partial_row[slot] == row || partial_row[slot] < 0); ++slot)
+        if (partial_row[slot] == row) parts.push_back(&partial[slot]);
+      merge(row, parts);
+    }
+  }
+};
+
+template <class C>
+void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const int32_t* starts, const int32_t* lens, const at::Tensor& tables, double scale, int64_t shares) {
+  const Cache cache{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.size(0), k_cache.size(1),
+                    k_cache.size(3)};
+  auto run = [&](auto isa, const at::Tensor& queries) {
+    using S = decltype(isa);
+    const Decode<S, C> job{queries.data_ptr(), out.data_ptr<float>(), static_cast<const C*>(k_cache.data_ptr()),
+                           static_cast<const C*>(v_cache.data_ptr()), cache, starts, lens,
+                           tables.data_ptr<int32_t>(), tables.size(1), q.size(1), k_cache.size(2),
+                           static_cast<float>(scale)};
+    job(tables.size(0), shares);
+  };
+  // the widest vectors whose pairs divide head_dim (model head_dims are multiples of 32)
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<C, c10::BFloat16>)
+    if (q.scalar_type() == at::kBFloat16 && cache.dim % (2 * Avx512::W) == 0) return run(Avx512Bf16{}, q);
+#endif
+  const auto qf = q.to(at::kFloat);
+#ifdef PAGEDSERVE_AVX512
+  if (cache.dim % (2 * Avx512::W) == 0) return run(Avx512{}, qf);
+#endif
+#ifdef PAGEDSERVE_AVX2
+  if (cache.dim % (2 * Avx2::W) == 0) return run(Avx2{}, qf);
+#endif
+  run(Scalar{}, qf);
 }
 
 // Output like q, zero except the rows with exactly one new token (decode rows), which get their attention.
-// q: [T, Hq, D] contiguous; caches [NB, BS, Hk, D] with unit stride in D; lengths already validated.
+// q: [T, Hq, D] fp32 or bf16, contiguous; caches [NB, BS, Hk, D] fp32, bf16 or fp16 with unit stride in D,
+// D even; lengths already validated. `shares` > 0 cuts the work into that many pieces (tests force cuts
+// on small inputs).
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                                  const at::Tensor& block_tables, double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(),
-              "pagedserve_cpu::paged_attention_decode: q must be contiguous and the caches share strides with "
-              "unit stride in head_dim");
+                                  const at::Tensor& block_tables, double scale, int64_t shares) {
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides() &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && k_cache.size(3) % 2 == 0,
+              "pagedserve_cpu::paged_attention_decode: the caches must share dtype and strides, with unit "
+              "stride in an even head_dim");
+  TORCH_CHECK(q.is_contiguous() && q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3),
+              "pagedserve_cpu::paged_attention_decode: q must be contiguous, its heads a multiple of the "
+              "cache's kv heads, with the same head_dim");
+  auto out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   const auto qsl = query_start_loc.contiguous();
   const auto ctx = context_lens.contiguous();
   const auto tables = block_tables.contiguous();
-  auto out = at::zeros_like(q);
-  const int64_t rows = ctx.size(0), kv_heads = k_cache.size(2), dim = q.size(2);
-  if (rows == 0) return out;
-  const int64_t group = q.size(1) / kv_heads, width = tables.size(1);
-  const CacheView cache{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.size(0),
-                        k_cache.size(1)};
   const int32_t* starts = qsl.data_ptr<int32_t>();
   const int32_t* lens = ctx.data_ptr<int32_t>();
-  const int32_t* table = tables.data_ptr<int32_t>();
-  PAGEDSERVE_DISPATCH_F32_BF16(q.scalar_type(), "pagedserve_cpu::paged_attention_decode", [&] {
-    const auto* qp = static_cast<const scalar_t*>(q.data_ptr());
-    auto* op = static_cast<scalar_t*>(out.data_ptr());
-    const auto* kp = static_cast<const scalar_t*>(k_cache.data_ptr());
-    const auto* vp = static_cast<const scalar_t*>(v_cache.data_ptr());
-    // Each work item is a row's kv heads, or a share of them when there are too few rows to keep every
-    // thread busy (one decode row: one head per item, as many items as kv heads).
-    const int64_t splits = std::clamp<int64_t>((4 * at::get_num_threads() + rows - 1) / rows, 1, kv_heads);
-    const int64_t per_item = (kv_heads + splits - 1) / splits;
-    at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch;
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t row = item / splits, head_begin = item % splits * per_item;
-        const int64_t head_end = std::min(kv_heads, head_begin + per_item);
-        if (starts[row + 1] - starts[row] != 1 || head_begin >= head_end) continue;
-        const int64_t token = static_cast<int64_t>(starts[row]) * q.size(1) * dim;
-        attend(qp + token, op + token, kp, vp, cache, table + row * width, lens[row], head_begin, head_end, group,
-               dim, static_cast<float>(scale), scratch);
-      }
-    });
-  });
-  return out;
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: decode<float>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares); break;
+    case at::kBFloat16: decode<c10::BFloat16>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares); break;
+    case at::kHalf: decode<c10::Half>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares); break;
+    default:
+      TORCH_CHECK(false, "pagedserve_cpu::paged_attention_decode: K/V cache dtype ", k_cache.scalar_type(),
+                  " has no kernel; allowed: float32, bfloat16, float16");
+  }
+  return out.to(q.scalar_type());
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
-        "Tensor context_lens, Tensor block_tables, float scale) -> Tensor",
+        "Tensor context_lens, Tensor block_tables, float scale, int shares=0) -> Tensor",
         &paged_attention_decode);
 }

@@ -1,10 +1,59 @@
-// pagedserve::write_kv: copy each token's K and V rows into its cache slot, one memcpy per (token, head).
+// pagedserve::write_kv: copy each token's K and V rows into its cache slot, converted to the cache's storage
+// dtype (a memcpy per (token, head) when the dtypes match; else through fp32, rounding to nearest even as
+// Tensor.to does, so the torch body and this kernel store the same bits).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cstring>
+#include <type_traits>
 
 namespace {
+
+template <typename Src, typename Dst>
+void copy_row(const Src* src, Dst* dst, int64_t n) {
+  if constexpr (std::is_same_v<Src, Dst>) {
+    std::memcpy(dst, src, n * sizeof(Src));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<Dst>(static_cast<float>(src[i]));
+  }
+}
+
+template <typename Src, typename Dst>
+void write_rows(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens) {
+  const int64_t heads = rows.size(1), dim = rows.size(2), block_size = cache.size(1);
+  auto* dst = static_cast<Dst*>(cache.data_ptr());
+  const auto* src = static_cast<const Src*>(rows.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slot[t] < 0) continue;
+    const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+    for (int64_t h = 0; h < heads; ++h)
+      copy_row(src + (t * heads + h) * dim,
+               dst + block * cache.stride(0) + offset * cache.stride(1) + h * cache.stride(2), dim);
+  }
+}
+
+template <typename Src>
+void write_from(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: return write_rows<Src, float>(cache, rows, slot, tokens);
+    case at::kBFloat16: return write_rows<Src, c10::BFloat16>(cache, rows, slot, tokens);
+    case at::kHalf: return write_rows<Src, c10::Half>(cache, rows, slot, tokens);
+    default:
+      TORCH_CHECK(false, "pagedserve_cpu::write_kv: cache dtype ", cache.scalar_type(),
+                  " has no kernel; allowed: float32, bfloat16, float16");
+  }
+}
+
+void write(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens) {
+  switch (rows.scalar_type()) {
+    case at::kFloat: return write_from<float>(cache, rows, slot, tokens);
+    case at::kBFloat16: return write_from<c10::BFloat16>(cache, rows, slot, tokens);
+    case at::kHalf: return write_from<c10::Half>(cache, rows, slot, tokens);
+    default:
+      TORCH_CHECK(false, "pagedserve_cpu::write_kv: k/v dtype ", rows.scalar_type(),
+                  " has no kernel; allowed: float32, bfloat16, float16");
+  }
+}
 
 // Returns -1 when every slot was written, else the first slot past the cache (and then writes nothing).
 // Slots < 0 are padding tokens and are skipped.
@@ -14,28 +63,12 @@ int64_t write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
               "pagedserve_cpu::write_kv: the caches need unit stride in head_dim");
   const auto slots = slot_mapping.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t tokens = slots.numel(), block_size = k_cache.size(1);
-  const int64_t num_slots = k_cache.size(0) * block_size;
+  const int64_t tokens = slots.numel(), num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < tokens; ++t) {
     if (slot[t] >= num_slots) return slot[t];
   }
-  const auto kc = k.contiguous(), vc = v.contiguous();
-  const int64_t heads = k.size(1), row_bytes = k.size(2) * k.element_size(), item = k.element_size();
-  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
-  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
-  const auto* k_src = static_cast<const char*>(kc.data_ptr());
-  const auto* v_src = static_cast<const char*>(vc.data_ptr());
-  for (int64_t t = 0; t < tokens; ++t) {
-    if (slot[t] < 0) continue;
-    const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t src = (t * heads + h) * row_bytes;
-      std::memcpy(k_dst + (block * k_cache.stride(0) + offset * k_cache.stride(1) + h * k_cache.stride(2)) * item,
-                  k_src + src, row_bytes);
-      std::memcpy(v_dst + (block * v_cache.stride(0) + offset * v_cache.stride(1) + h * v_cache.stride(2)) * item,
-                  v_src + src, row_bytes);
-    }
-  }
+  write(k_cache, k.contiguous(), slot, tokens);
+  write(v_cache, v.contiguous(), slot, tokens);
   return -1;
 }
 

@@ -3,6 +3,7 @@
 A program owns one tile of up to BLOCK_Q query tokens of one row and one K/V head; the GQA query heads of
 that K/V head ride along as extra rows of the tile (M = BLOCK_Q x GROUP_PAD), so every K/V page is loaded
 once per tile. The program walks the row's block table page by page with an online softmax in fp32.
+K/V may be stored in a narrower dtype than q: they are converted to q's dtype as they are loaded.
 Long decode contexts use the split-K variant: each split walks a slice of the pages and writes its partial
 (acc, max, sum) to fp32 scratch; a second kernel merges the splits. Nothing here reads tensors on the host,
 so the launch is CUDA-graph safe and traceable by inductor.
@@ -64,10 +65,11 @@ def _paged_attention_kernel(
     s = tl.arange(0, PAGE)
     for page in range(page_lo, page_hi):
         block = tl.load(bt_ptr + row * stride_bt + page).to(tl.int64)
+        # a cache stored narrower than q (kv_cache_dtype) is widened as it is read
         k = tl.load(k_ptr + block * stride_kb + s[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=d_ok[None, :], other=0.0)
+                    mask=d_ok[None, :], other=0.0).to(q.dtype)
         v = tl.load(v_ptr + block * stride_vb + s[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                    mask=d_ok[None, :], other=0.0)
+                    mask=d_ok[None, :], other=0.0).to(q.dtype)
         scores = mma(q, tl.trans(k), F32_DOT) * scale
         k_pos = page * PAGE + s
         scores = tl.where(k_pos[None, :] <= q_pos[:, None], scores, float("-inf"))

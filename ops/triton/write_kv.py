@@ -1,4 +1,5 @@
-"""Triton `write_kv`: one program per new token copies its [Hk, D] key and value rows into the paged cache."""
+"""Triton `write_kv`: one program per new token copies its [Hk, D] key and value rows into the paged cache,
+converted to the cache's dtype."""
 from __future__ import annotations
 
 import triton
@@ -25,8 +26,10 @@ def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr,
     ok = (h < HEADS) & (d < HEAD_DIM)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=ok)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=ok)
-    tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d, k, mask=ok)
-    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d, v, mask=ok)
+    tl.store(k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d,
+             k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d,
+             v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:

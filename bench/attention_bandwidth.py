@@ -1,0 +1,147 @@
+"""Decode attention against the memory roofline: bytes of K/V one `paged_attention` decode call reads, over
+its time, next to the machine's read bandwidth measured in the same process.
+
+Default-model shapes (Qwen2.5-1.5B: 12 query heads, 2 kv heads, head_dim 128, blocks of 16), one new token
+per row. Each case cycles over enough layers' caches that their K/V cannot stay in the last-level cache,
+allocated as the engine's pool allocates them, with shuffled block tables (a pool after some churn). Two
+probes: bench/roofline.py's (a 256 MiB copy and sum, at the start) and a sum over the same K/V bytes,
+timed between the kernel calls. With `--baseline REV` the C++ kernel of that git revision is built into a
+scratch extension and timed alternately with this checkout's, call by call, each call on a layer the
+previous calls did not read. The machines are shared:
+compare kernels within one run, and rerun when the probe reads low.
+
+    .venv/bin/python bench/attention_bandwidth.py --baseline HEAD
+    .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes float32 --kv-dtypes bfloat16 float16
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 2, 128, 16
+COLD_BYTES = 256 << 20          # K/V cycled through per case: several times a last-level cache
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192])
+    p.add_argument("--q-dtypes", nargs="+", default=["bfloat16", "float32"], help="activation dtypes")
+    p.add_argument("--kv-dtypes", nargs="+", default=["bfloat16", "float16", "float32"])
+    p.add_argument("--rounds", type=int, default=4, help="passes over a case's layers per kernel")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--baseline", default="", help="a git revision whose paged_attention.cpp runs alternately")
+    return p.parse_args(argv)
+
+
+def build_baseline(ref: str):
+    """The decode kernel of git revision `ref`, under the op namespace `pagedserve_baseline` (the
+    checkout's own extension already holds `pagedserve_cpu`)."""
+    from torch.utils import cpp_extension
+
+    from ops.cpu import build
+
+    repo = BENCH.parent
+    commit = subprocess.run(["git", "rev-parse", ref], cwd=repo, check=True, capture_output=True,
+                            text=True).stdout.strip()
+    root = Path(tempfile.gettempdir()) / f"pagedserve-baseline-{commit[:12]}"   # reused by later runs
+    root.mkdir(exist_ok=True)
+    names = subprocess.run(["git", "ls-tree", "--name-only", commit, "ops/cpu/"], cwd=repo, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in [n for n in names if n.endswith(".h")] + ["ops/cpu/paged_attention.cpp"]:
+        text = subprocess.run(["git", "show", f"{commit}:{name}"], cwd=repo, check=True, capture_output=True,
+                              text=True).stdout
+        (root / Path(name).name).write_text(text.replace("TORCH_LIBRARY_FRAGMENT(pagedserve_cpu",
+                                                         "TORCH_LIBRARY_FRAGMENT(pagedserve_baseline"))
+    cpp_extension.load(name="pagedserve_baseline", sources=[str(root / "paged_attention.cpp")],
+                       extra_cflags=build.CFLAGS, extra_ldflags=build.LDFLAGS, build_directory=str(root),
+                       is_python_module=False, verbose=False)
+    return torch.ops.pagedserve_baseline.paged_attention_decode
+
+
+def make_case(rows: int, context: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, seed: int = 0):
+    """Per layer: q [rows, Hq, D] and shuffled-table caches; one decode token per row."""
+    from engine.kv.pool import lazy_zeros
+
+    g = torch.Generator().manual_seed(seed)
+    per_row = -(-context // BLOCK)
+    dims = (rows * per_row, BLOCK, KV_HEADS, HEAD_DIM)
+    layer_bytes = 2 * rows * context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=kv_dtype).element_size()
+    cases = []
+    for _ in range(max(4, -(-COLD_BYTES // layer_bytes))):
+        k, v = lazy_zeros(dims, kv_dtype, torch.device("cpu")), lazy_zeros(dims, kv_dtype, torch.device("cpu"))
+        k.copy_(torch.randn(dims, generator=g))
+        v.copy_(torch.randn(dims, generator=g))
+        tables = torch.randperm(dims[0], generator=g).view(rows, per_row).int()
+        q = torch.randn(rows, Q_HEADS, HEAD_DIM, generator=g).to(q_dtype)
+        cases.append((q, k, v, torch.arange(rows + 1, dtype=torch.int32),
+                      torch.full((rows,), context, dtype=torch.int32), tables))
+    return cases, layer_bytes
+
+
+def measure(kernels: dict, cases: list, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each kernel and of the read probe, taking turns; every call reads the next layer
+    of the rotation, so none finds its K/V left in the cache by the call before."""
+    probes = [(k.view(-1).view(torch.float32), v.view(-1).view(torch.float32)) for _, k, v, *_ in cases]
+    times = {name: [] for name in [*kernels, "read probe"]}
+    for fn in kernels.values():              # warm-up: one pass over the layers
+        for args in cases:
+            fn(*args, HEAD_DIM ** -0.5)
+    turn = 0
+    for _ in range(rounds * len(cases)):
+        for name in times:
+            i, turn = turn % len(cases), turn + 1
+            t0 = time.perf_counter()
+            if name == "read probe":
+                probes[i][0].sum()
+                probes[i][1].sum()
+            else:
+                kernels[name](*cases[i], HEAD_DIM ** -0.5)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from roofline import measure_bandwidth_gb_s
+
+    import ops.cpu
+    if not ops.cpu.kernels_available():
+        raise SystemExit("the C++ CPU kernels did not load (see the log line above)")
+    kernels = {"new": ops.cpu._lib.paged_attention_decode}     # both raw: no Python checks in the timing
+    if args.baseline:
+        kernels[f"old ({args.baseline})"] = build_baseline(args.baseline)
+    bandwidth = measure_bandwidth_gb_s()
+    print(f"probe (bench/roofline.py) {bandwidth:.1f} GB/s, {args.threads} threads, CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; medians, and % of the read probe of the same run")
+    print(f"{'rows':>5} {'ctx':>6} {'q':>9} {'kv':>9} {'kernel':>12} {'ms':>8} {'GB/s':>7} {'of probe':>9}")
+    with torch.inference_mode():
+        for rows in args.rows:
+            for context in args.contexts:
+                for q_name in args.q_dtypes:
+                    for kv_name in args.kv_dtypes:
+                        q_dtype, kv_dtype = getattr(torch, q_name), getattr(torch, kv_name)
+                        cases, nbytes = make_case(rows, context, q_dtype, kv_dtype)
+                        # the old kernel reads the cache in q's dtype
+                        runnable = {n: f for n, f in kernels.items() if n == "new" or q_dtype == kv_dtype}
+                        times = measure(runnable, cases, args.rounds)
+                        probe = statistics.median(times["read probe"])
+                        for name, ts in times.items():
+                            s = statistics.median(ts)
+                            print(f"{rows:>5} {context:>6} {q_name:>9} {kv_name:>9} {name:>12} {s * 1e3:>8.3f} "
+                                  f"{nbytes / s / 1e9:>7.1f} {probe / s:>9.0%}")
+                        del cases
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,242 @@
+// Register tiles of the decode attention (ops/cpu/paged_attention.cpp): one tile of up to 16 cached
+// positions of one kv head against the G query heads of its GQA group, scores, the online-softmax update
+// and the weighted sum of values, written once over the instruction sets of simd.h.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "simd.h"
+
+namespace pagedserve_cpu::attention {
+
+using namespace pagedserve_cpu::simd;
+
+constexpr int kTile = 16;           // positions scored together (one transposing sum of 16 dot products)
+constexpr int kMaxGroup = 8;        // query heads per register tile; larger GQA groups take several passes
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// How many keys (or pairs of value vectors) one register tile of G heads takes: what fits beside the
+// G x n accumulators; keys a power of two up to W (see score_keys). AVX-512 has 32 vector registers, AVX2
+// 16 (the scalar path follows AVX2).
+template <class S>
+constexpr int kRegs = S::W == 16 ? 32 : 16;
+constexpr int floor_pow2(int n) { return n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1; }
+template <class S, int G>
+constexpr int kKeys = std::min(S::W, floor_pow2(kDotBf16<S> ? (kRegs<S> - 3) / (G + 1)      // + keys + a query
+                                                            : (kRegs<S> - 4) / (G + 2)));  // + key pairs + 2 queries
+template <class S, int G>
+constexpr int kValuePairs = std::clamp((kRegs<S> - 3) / (2 * (G + 1)), 1, 4);
+
+// The query dtype a set scores with: bf16 as stored for the dot-product set, else fp32.
+template <class S>
+using Query = std::conditional_t<kDotBf16<S>, c10::BFloat16, float>;
+
+// Prefetches into L2 the lines of 2W values at `p`: one step of a later block's K or V, issued while this
+// block is scored. Into L2, not L1: the tile's working set already fills L1, which evicted the lines before
+// they were used; and spread over the scoring loop, one step per step of the keys (issued all at once per
+// block they arrived later). Forced inline, like every caller up to score_keys: GCC takes a function
+// that only prefetches for one without effects and drops the calls to it.
+template <class S, class C>
+PAGEDSERVE_INLINE void prefetch_step(const C* p) {
+  for (int64_t byte = 0; byte < 2 * S::W * static_cast<int64_t>(sizeof(C)); byte += 64)
+    S::prefetch(reinterpret_cast<const char*>(p) + byte);
+}
+
+// Keys [0, n) and their values of a later block, at the same 2W values as the keys being scored.
+template <class S, class C>
+PAGEDSERVE_INLINE void prefetch_keys(const C* ahead_k, const C* ahead_v, int n, int64_t stride, int64_t d) {
+  if (ahead_k)
+    for (int j = 0; j < n; ++j) {
+      prefetch_step<S>(ahead_k + j * stride + d);
+      prefetch_step<S>(ahead_v + j * stride + d);
+    }
+}
+
+// Scores of G query heads against J keys from `k`, of which the first n are real (the others repeat key 0
+// and the caller drops their scores): red[g * part_stride * W ...] gets one vector per head with the J dot
+// products in order, each still a sum over W / J lanes (folded together while in registers, where storing
+// every dot product for a reduction later cost as much as the products). With `ahead_k` (then also
+// `ahead_v`), the same slots of a later block are prefetched.
+template <class S, class C, int G, int J>
+PAGEDSERVE_INLINE void score_keys(const Query<S>* q, const C* k, int64_t stride, int n, int64_t dim, float* red,
+                                  int part_stride, const C* ahead_k, const C* ahead_v) {
+  typename S::V acc[G][J];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < J; ++j) acc[g][j] = S::zero();
+  const C* keys[J];
+  for (int j = 0; j < J; ++j) keys[j] = k + (j < n ? j : 0) * stride;
+  if constexpr (kDotBf16<S>) {
+    for (int64_t d = 0; d < dim; d += 2 * S::W) {
+      decltype(S::load_bf16(k)) key[J];
+      for (int j = 0; j < J; ++j) key[j] = S::load_bf16(keys[j] + d);
+      prefetch_keys<S>(ahead_k, ahead_v, n, stride, d);
+      for (int g = 0; g < G; ++g) {
+        const auto qv = S::keep(S::load_bf16(q + g * dim + d));
+        for (int j = 0; j < J; ++j) acc[g][j] = S::dot2(acc[g][j], qv, key[j]);
+      }
+    }
+  } else {
+    for (int64_t d = 0; d < dim; d += 2 * S::W) {
+      typename S::V ka[J], kb[J];
+      for (int j = 0; j < J; ++j) S::load2(keys[j] + d, ka[j], kb[j]);
+      prefetch_keys<S>(ahead_k, ahead_v, n, stride, d);
+      for (int g = 0; g < G; ++g) {
+        const typename S::V qa = S::keep(S::load(q + g * dim + d)), qb = S::keep(S::load(q + g * dim + d + S::W));
+        for (int j = 0; j < J; ++j) acc[g][j] = S::fmadd(qb, kb[j], S::fmadd(qa, ka[j], acc[g][j]));
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    fold_all<S, J, S::W / 2>(acc[g]);
+    S::store(red + g * part_stride * S::W, acc[g][0]);
+  }
+}
+
+// acc[g][d0 .. d0 + 2N*W) = acc * corr[g] + sum over the tile's keys j of p[g][j] * v_j: N pairs of value
+// vectors of all G heads stay in registers across the keys.
+template <class S, class C, int G, int N>
+PAGEDSERVE_INLINE void add_values(const float* p, const float* corr, const C* v, int64_t stride, int len,
+                                  int64_t dim, int64_t d0, float* acc) {
+  typename S::V out[G][2 * N];
+  for (int g = 0; g < G; ++g) {
+    const typename S::V c = S::set1(corr[g]);
+    for (int i = 0; i < 2 * N; ++i) out[g][i] = S::mul(S::load(acc + g * dim + d0 + i * S::W), c);
+  }
+  for (int j = 0; j < len; ++j) {
+    typename S::V val[2 * N];
+    for (int n = 0; n < N; ++n) S::load2(v + j * stride + d0 + 2 * n * S::W, val[2 * n], val[2 * n + 1]);
+    for (int g = 0; g < G; ++g) {
+      const typename S::V w = S::set1(p[g * kTile + j]);
+      for (int i = 0; i < 2 * N; ++i) out[g][i] = S::fmadd(w, val[i], out[g][i]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 2 * N; ++i) S::store(acc + g * dim + d0 + i * S::W, out[g][i]);
+}
+
+// The dot-product set's add_values: key pairs (j, j+1) interleaved, weighed by bf16 pairs of their weights
+// (a tile's odd last key is paired with zeros), N chunks of 2W values per pass.
+template <class S, int G, int N>
+PAGEDSERVE_INLINE void add_values_dot(const uint32_t* pairs, const float* corr, const c10::BFloat16* v,
+                                      int64_t stride, int len, int64_t dim, int64_t d0, float* acc) {
+  typename S::V out[G][2 * N];
+  for (int g = 0; g < G; ++g) {
+    const typename S::V c = S::set1(corr[g]);
+    for (int i = 0; i < 2 * N; ++i) out[g][i] = S::mul(S::load(acc + g * dim + d0 + i * S::W), c);
+  }
+  for (int j = 0; j < len; j += 2) {
+    typename S::B lo[N], hi[N];
+    for (int n = 0; n < N; ++n) {
+      const c10::BFloat16* at = v + j * stride + d0 + 2 * n * S::W;
+      S::interleave(at, j + 1 < len ? at + stride : nullptr, lo[n], hi[n]);
+    }
+    for (int g = 0; g < G; ++g) {
+      const typename S::B w = S::set1_pair(pairs[g * kTile / 2 + j / 2]);
+      for (int n = 0; n < N; ++n) {
+        out[g][2 * n] = S::dot2(out[g][2 * n], w, lo[n]);
+        out[g][2 * n + 1] = S::dot2(out[g][2 * n + 1], w, hi[n]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 2 * N; ++i) S::store(acc + g * dim + d0 + i * S::W, out[g][i]);
+}
+
+// Scratch of one thread: partial dot products, then weights, of one tile.
+template <class S>
+struct Scratch {
+  alignas(64) float red[kMaxGroup * kTile * S::W];    // [G][kTile / J][W]
+  alignas(64) float p[kMaxGroup * kTile];
+  uint32_t pairs[kMaxGroup * kTile / 2];       // the weights as bf16 pairs (dot-product set)
+  float corr[kMaxGroup];
+};
+
+// `len` (<= kTile) keys of one kv head against G of its query heads, with the online-softmax update of
+// their running max / sum / accumulators (and the prefetch of a later block's slots, if `ahead_k`). The
+// softmax steps run for all G heads side by side: G independent dependency chains (sums, max, exp) that
+// overlap, where one head at a time would wait on each.
+template <class S, class C, int G>
+void attend_tile(const Query<S>* q, float* acc, float* run_max, float* run_sum, const C* k, const C* v,
+                 int64_t stride, int len, int64_t dim, float scale, Scratch<S>& s, const C* ahead_k,
+                 const C* ahead_v) {
+  using V = typename S::V;
+  constexpr int J = kKeys<S, G>, M = kTile / J, L = kTile / S::W;   // M key groups, L vectors of scores
+  const int used = (len + J - 1) / J;
+  for (int m = 0; m < used; ++m) {
+    const int64_t at = m * J * stride;
+    score_keys<S, C, G, J>(q, k + at, stride, std::min(J, len - m * J), dim, s.red + m * S::W, M,
+                           ahead_k ? ahead_k + at : ahead_k, ahead_v ? ahead_v + at : ahead_v);
+  }
+  V sc[G][L], top[G];
+  for (int g = 0; g < G; ++g) {
+    V parts[M];
+    for (int m = 0; m < M; ++m) parts[m] = m < used ? S::load(s.red + (g * M + m) * S::W) : S::zero();
+    for (int i = 0; i < L; ++i) {
+      fold_all<S, S::W / J, S::W / (2 * J)>(parts + i * (S::W / J));
+      sc[g][i] = S::mul(parts[i * (S::W / J)], S::set1(scale));
+    }
+  }
+  if (len < kTile) {                 // keys past the tile's end get weight 0
+    alignas(64) float bias[kTile];
+    std::fill(bias, bias + len, 0.f);
+    std::fill(bias + len, bias + kTile, kNegInf);
+    for (int i = 0; i < L; ++i)
+      for (int g = 0; g < G; ++g) sc[g][i] = S::add(sc[g][i], S::load(bias + i * S::W));
+  }
+  for (int g = 0; g < G; ++g) {
+    top[g] = sc[g][0];
+    for (int i = 1; i < L; ++i) top[g] = S::max(top[g], sc[g][i]);
+  }
+  float m[G], shift[G];
+  for (int g = 0; g < G; ++g) {
+    m[g] = std::max(run_max[g], S::hmax(top[g]));
+    shift[g] = run_max[g] - m[g];    // -inf on the first tile: its correction is 0
+  }
+  for (int g = 0; g < G; ++g) s.corr[g] = exp_nonpositive<Scalar>(shift[g]);
+  V total[G];
+  for (int g = 0; g < G; ++g) {
+    total[g] = S::zero();
+    for (int i = 0; i < L; ++i) {
+      const V e = exp_nonpositive<S>(S::add(sc[g][i], S::set1(-m[g])));
+      if constexpr (kDotBf16<S>)
+        S::store_pairs(s.pairs + g * kTile / 2 + i * S::W / 2, e);
+      else
+        S::store(s.p + g * kTile + i * S::W, e);
+      total[g] = S::add(total[g], e);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    run_sum[g] = run_sum[g] * s.corr[g] + S::sum(total[g]);
+    run_max[g] = m[g];
+  }
+  constexpr int N = kValuePairs<S, G>;
+  int64_t d0 = 0;
+  if constexpr (kDotBf16<S>) {
+    for (; d0 + 2 * N * S::W <= dim; d0 += 2 * N * S::W)
+      add_values_dot<S, G, N>(s.pairs, s.corr, v, stride, len, dim, d0, acc);
+    for (; d0 < dim; d0 += 2 * S::W) add_values_dot<S, G, 1>(s.pairs, s.corr, v, stride, len, dim, d0, acc);
+  } else {
+    for (; d0 + 2 * N * S::W <= dim; d0 += 2 * N * S::W)
+      add_values<S, C, G, N>(s.p, s.corr, v, stride, len, dim, d0, acc);
+    for (; d0 < dim; d0 += 2 * S::W) add_values<S, C, G, 1>(s.p, s.corr, v, stride, len, dim, d0, acc);
+  }
+}
+
+// attend_tile for the 1 to kMaxGroup query heads of a (part of a) GQA group.
+template <class S, class C>
+void attend_group(int group, const Query<S>* q, float* acc, float* run_max, float* run_sum, const C* k,
+                  const C* v, int64_t stride, int len, int64_t dim, float scale, Scratch<S>& s, const C* ahead_k,
+                  const C* ahead_v) {
+  switch (group) {
+#define PAGEDSERVE_GROUP(G) \
+  case G: return attend_tile<S, C, G>(q, acc, run_max, run_sum, k, v, stride, len, dim, scale, s, ahead_k, ahead_v);
+    PAGEDSERVE_GROUP(1) PAGEDSERVE_GROUP(2) PAGEDSERVE_GROUP(3) PAGEDSERVE_GROUP(4)
+    PAGEDSERVE_GROUP(5) PAGEDSERVE_GROUP(6) PAGEDSERVE_GROUP(7) PAGEDSERVE_GROUP(8)
+#undef PAGEDSERVE_GROUP
+  }
+}
+
+}  // namespace pagedserve_cpu::attention

@@ -1,0 +1,151 @@
+"""K/V stored in a 16-bit dtype (kv_cache_dtype) under fp32 or bf16 activations: write_kv converts on write,
+paged_attention widens on read, against a float64 reference on the K/V as stored. The C++ decode kernel is
+checked on every code path this CPU has: head_dim 128 and 64 take the widest vectors (AVX-512 here), 48
+the AVX2 code on an AVX-512 CPU, 40 the scalar code; bf16 queries on a bf16 cache take the bf16 dot
+products where AVX-512 BF16 exists. Long rows are cut into more shares than there are threads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ops
+import ops.cpu
+from ops.paged_attention import reference_paged_attention
+from ops.write_kv import reference_write_kv
+
+pagedserve = torch.ops.pagedserve
+KV_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# bf16 outputs are rounded to bf16 (and the bf16 dot products round the softmax weights to bf16)
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+BLOCK = 16
+
+pytestmark = pytest.mark.usefixtures("cpp_kernels")
+
+
+def _batch(rows, group, head_dim, q_dtype, kv_dtype, *, kv_heads=2, block=BLOCK, seed=0):
+    """rows = [(context_len, new_tokens)]: shuffled blocks, table entries past a row's context junk, every
+    position's K/V written through pagedserve.write_kv from q_dtype rows into kv_dtype caches."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-ctx // block) for ctx, _ in rows) + 1
+    num_blocks = len(rows) * width + 1
+    tables = torch.randperm(num_blocks, generator=g)[: len(rows) * width].view(len(rows), width).int()
+    for i, (ctx, _) in enumerate(rows):
+        tables[i, -(-ctx // block):] = num_blocks + 3
+    k_cache = torch.zeros(num_blocks, block, kv_heads, head_dim, dtype=kv_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([int(tables[i, p // block]) * block + p % block for i, (ctx, _) in enumerate(rows)
+                          for p in range(ctx)])
+    k = (torch.randn(len(slots), kv_heads, head_dim, generator=g) * 2).to(q_dtype)
+    v = torch.randn(len(slots), kv_heads, head_dim, generator=g).to(q_dtype)
+    pagedserve.write_kv(k_cache, v_cache, k, v, slots)
+    q = torch.randn(sum(n for _, n in rows) + 2, kv_heads * group, head_dim, generator=g).to(q_dtype)
+    qsl = torch.tensor([0] + [sum(n for _, n in rows[: i + 1]) for i in range(len(rows))], dtype=torch.int32)
+    return q, k_cache, v_cache, qsl, torch.tensor([c for c, _ in rows], dtype=torch.int32), tables
+
+
+def _decode_reference(q, k_cache, v_cache, qsl, ctx, tables, scale):
+    """Float64 attention of each decode row's token over its cached positions (vectorised, for long rows)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group, block = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
+    for i, n_ctx in enumerate(ctx.tolist()):
+        if qsl[i + 1] - qsl[i] != 1:
+            continue
+        blocks = tables[i, : -(-n_ctx // block)].long()
+        keys = k_cache[blocks].flatten(0, 1)[:n_ctx].double().repeat_interleave(group, dim=1)    # [ctx, Hq, D]
+        values = v_cache[blocks].flatten(0, 1)[:n_ctx].double().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,chd->hc", q[qsl[i]].double(), keys) * scale, dim=-1)
+        out[qsl[i]] = torch.einsum("hc,chd->hd", weights, values)
+    return out
+
+
+# decode rows on both sides of block boundaries, a 1-token context, a fresh prefill, a chunk after a prefix
+RAGGED = [(15, 1), (16, 1), (17, 1), (1, 1), (33, 1), (20, 20), (40, 7), (64, 1)]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group, head_dim", [(1, 128), (6, 128), (12, 128), (3, 64), (4, 48), (2, 40)])
+def test_paged_attention_reads_the_cache_as_stored(q_dtype, kv_dtype, group, head_dim):
+    q, kc, vc, qsl, ctx, tables = _batch(RAGGED, group, head_dim, q_dtype, kv_dtype, seed=group + head_dim)
+    assert kc.dtype == kv_dtype
+    scale = head_dim ** -0.5
+    got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, scale)
+    assert got.dtype == q_dtype and got.shape == q.shape
+    torch.testing.assert_close(got, reference_paged_attention(q, kc, vc, qsl, ctx, tables, scale), **TOL[q_dtype])
+    assert not got[int(qsl[-1]):].any()                   # padding tokens stay zero
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shares", [1, 3, 7, 64])
+def test_long_rows_cut_into_shares_match_one_pass(q_dtype, kv_dtype, shares):
+    """One long row alone, then long and short rows together, cut into `shares` pieces (more than there are
+    threads, and cuts inside rows and at odd block counts): the merged softmax equals the uncut one."""
+    for rows in ([(1000, 1)], [(700, 1), (5, 1), (30, 4), (333, 1), (16, 1)]):
+        q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 128, q_dtype, kv_dtype, seed=shares)
+        got = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.0883, shares)
+        want = _decode_reference(q, kc, vc, qsl, ctx, tables, 0.0883)
+        decode = [int(qsl[i]) for i, (_, n) in enumerate(rows) if n == 1]
+        torch.testing.assert_close(got[decode].double(), want[decode], **TOL[q_dtype])
+        assert not got[[t for t in range(q.shape[0]) if t not in decode]].any()   # the kernel's rows only
+
+
+@pytest.mark.parametrize("block", [8, 32])
+def test_block_sizes_other_than_the_tile(block):
+    """Blocks smaller than the 16-position tile and spanning two tiles, on a bf16 cache."""
+    rows = [(block - 1, 1), (block + 3, 1), (5 * block, 1), (3 * block, 2)]
+    q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 64, torch.float32, torch.bfloat16, block=block, seed=block)
+    got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
+    torch.testing.assert_close(got, reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125),
+                               **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_rounds_like_tensor_to(src_dtype, kv_dtype):
+    """The C++ body stores the bits `Tensor.to` gives (round to nearest even), into strided caches."""
+    g = torch.Generator().manual_seed(5)
+    k_cache = torch.zeros(4, BLOCK, 4, 64, dtype=kv_dtype)[:, :, 1:3]
+    v_cache = torch.zeros(4, BLOCK, 4, 64, dtype=kv_dtype)[:, :, 1:3]
+    k = (torch.randn(5, 2, 64, generator=g) * 100).to(src_dtype)
+    v = torch.randn(5, 2, 64, generator=g).to(src_dtype)
+    slots = torch.tensor([63, -1, 0, 16, 17])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    reference_write_kv(want_k, want_v, k, v, slots)
+    pagedserve.write_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(k_cache[3, 15], k[0].to(kv_dtype))
+
+
+def test_the_torch_bodies_read_a_narrower_cache_too():
+    """Without the C++ kernels (no compiler): the torch decode and prefill bodies widen a bf16 cache."""
+    q, kc, vc, qsl, ctx, tables = _batch(RAGGED, 4, 64, torch.float32, torch.bfloat16)
+    ops.cpu.use_backend("torch")
+    got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
+    torch.testing.assert_close(got, reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125),
+                               **TOL[torch.float32])
+
+
+def test_caches_of_different_or_unsupported_dtypes_are_refused():
+    q, kc, vc, qsl, ctx, tables = _batch([(17, 1)], 2, 64, torch.float32, torch.bfloat16)
+    with pytest.raises(ops.OpInputError, match=r"one K/V storage dtype \(float32, bfloat16, float16\)"):
+        pagedserve.paged_attention(q, kc, vc.half(), qsl, ctx, tables, 0.125)
+    with pytest.raises(ops.OpInputError, match="got torch.int8 and torch.int8"):
+        pagedserve.write_kv(kc.to(torch.int8), vc.to(torch.int8), q[:1, :2], q[:1, :2], torch.tensor([0]))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_opcheck_with_a_narrower_cache(kv_dtype):
+    q, kc, vc, qsl, ctx, tables = _batch(RAGGED, 2, 64, torch.float32, kv_dtype)
+    torch.library.opcheck(pagedserve.paged_attention.default, (q, kc, vc, qsl, ctx, tables, 0.125))
+    new = torch.randn(3, 2, 64)
+    torch.library.opcheck(pagedserve.write_kv.default, (kc.clone(), vc.clone(), new, new * 2,
+                                                        torch.tensor([3, -1, 40])))
+
+
+def test_the_config_key_offers_exactly_the_pool_choices():
+    from engine.config import EngineConfig
+    from engine.kv.pool import KV_CACHE_DTYPE_CHOICES
+
+    field = EngineConfig.__dataclass_fields__["kv_cache_dtype"]
+    assert field.metadata["choices"] == KV_CACHE_DTYPE_CHOICES
