@@ -58,11 +58,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--tokens", type=int, default=160)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prompts", nargs="+", choices=sorted(PROMPTS), default=list(PROMPTS))
     args = p.parse_args(argv)
     common = dict(model=args.model, max_concurrency=max(args.streams), max_model_len=1024, kv_pool_tokens=8192)
     engines = {"none": LLM(**common), "ngram": LLM(**common, speculative="ngram")}
     print(f"{args.model}: {engines['none'].engine.weights}, dtype {engines['none'].engine.dtype}")
-    for name, conv in PROMPTS.items():
+    for name in args.prompts:
+        conv = PROMPTS[name]
         for streams in args.streams:
             convs = [conv] * streams
             run(engines["none"], convs, 8), run(engines["ngram"], convs, 8)        # warm-up
