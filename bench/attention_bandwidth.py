@@ -12,6 +12,7 @@ compare kernels within one run, and rerun when the probe reads low.
 
     .venv/bin/python bench/attention_bandwidth.py --baseline HEAD
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes float32 --kv-dtypes bfloat16 float16
+    .venv/bin/python bench/attention_bandwidth.py --rows 1 32 --kv-dtypes bfloat16 q8_0 q4_0
 """
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     p.add_argument("--contexts", type=int, nargs="+", default=[8192])
     p.add_argument("--q-dtypes", nargs="+", default=["bfloat16", "float32"], help="activation dtypes")
-    p.add_argument("--kv-dtypes", nargs="+", default=["bfloat16", "float16", "float32"])
+    p.add_argument("--kv-dtypes", nargs="+", default=["bfloat16", "float16", "float32", "q8_0", "q4_0"],
+                   help="torch dtypes, or the quantized formats q8_0 / q4_0")
+    p.add_argument("--q-heads", type=int, default=Q_HEADS, help="query heads (GQA group = q heads / 2 kv heads)")
     p.add_argument("--rounds", type=int, default=4, help="passes over a case's layers per kernel")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--baseline", default="", help="a git revision whose paged_attention.cpp runs alternately")
@@ -68,21 +71,35 @@ def build_baseline(ref: str):
     return torch.ops.pagedserve_baseline.paged_attention_decode
 
 
-def make_case(rows: int, context: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, seed: int = 0):
-    """Per layer: q [rows, Hq, D] and shuffled-table caches; one decode token per row."""
-    from engine.kv.pool import lazy_zeros
+def random_rows(dims: tuple[int, ...], fmt: str, g: torch.Generator) -> torch.Tensor:
+    """Quantized rows of random values and scales, without quantizing gigabytes of floats."""
+    from ops import kv_quant
+
+    rows = torch.randint(0, 256, dims, generator=g, dtype=torch.uint8)
+    blocks = rows.view(*dims[:-1], -1, kv_quant.BLOCK_BYTES[fmt])
+    blocks[..., :2] = (torch.rand(blocks.shape[:-1], generator=g) / 64).half().view(torch.uint8).view(
+        *blocks.shape[:-1], 2)
+    return rows
+
+
+def make_case(rows: int, context: int, q_dtype: torch.dtype, kv_dtype: torch.dtype | str, seed: int = 0,
+              q_heads: int = Q_HEADS):
+    """Per layer: q [rows, Hq, D] and shuffled-table caches; one decode token per row. `kv_dtype` is a
+    storage dtype or a quantized format's name."""
+    from engine.kv.pool import KVShape, lazy_zeros
 
     g = torch.Generator().manual_seed(seed)
     per_row = -(-context // BLOCK)
-    dims = (rows * per_row, BLOCK, KV_HEADS, HEAD_DIM)
-    layer_bytes = 2 * rows * context * KV_HEADS * HEAD_DIM * torch.empty((), dtype=kv_dtype).element_size()
+    shape = KVShape(1, KV_HEADS, HEAD_DIM, BLOCK, kv_dtype)
+    dims = (rows * per_row, BLOCK, *shape.slot_dims)
+    layer_bytes = rows * per_row * shape.bytes_per_block
     cases = []
     for _ in range(max(4, -(-COLD_BYTES // layer_bytes))):
-        k, v = lazy_zeros(dims, kv_dtype, torch.device("cpu")), lazy_zeros(dims, kv_dtype, torch.device("cpu"))
-        k.copy_(torch.randn(dims, generator=g))
-        v.copy_(torch.randn(dims, generator=g))
+        k, v = (lazy_zeros(dims, shape.storage_dtype, torch.device("cpu")) for _ in range(2))
+        for cache in (k, v):
+            cache.copy_(random_rows(dims, kv_dtype, g) if isinstance(kv_dtype, str) else torch.randn(dims, generator=g))
         tables = torch.randperm(dims[0], generator=g).view(rows, per_row).int()
-        q = torch.randn(rows, Q_HEADS, HEAD_DIM, generator=g).to(q_dtype)
+        q = torch.randn(rows, q_heads, HEAD_DIM, generator=g).to(q_dtype)
         cases.append((q, k, v, torch.arange(rows + 1, dtype=torch.int32),
                       torch.full((rows,), context, dtype=torch.int32), tables))
     return cases, layer_bytes
@@ -130,8 +147,9 @@ def main(argv: list[str]) -> None:
             for context in args.contexts:
                 for q_name in args.q_dtypes:
                     for kv_name in args.kv_dtypes:
-                        q_dtype, kv_dtype = getattr(torch, q_name), getattr(torch, kv_name)
-                        cases, nbytes = make_case(rows, context, q_dtype, kv_dtype)
+                        q_dtype = getattr(torch, q_name)
+                        kv_dtype = kv_name if kv_name in ("q8_0", "q4_0") else getattr(torch, kv_name)
+                        cases, nbytes = make_case(rows, context, q_dtype, kv_dtype, q_heads=args.q_heads)
                         # the old kernel reads the cache in q's dtype
                         runnable = {n: f for n, f in kernels.items() if n == "new" or q_dtype == kv_dtype}
                         times = measure(runnable, cases, args.rounds)

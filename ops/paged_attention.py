@@ -3,7 +3,9 @@
 Row i owns q[qsl[i]:qsl[i+1]] (n_i tokens at positions ctx_i - n_i .. ctx_i - 1); its keys/values for
 positions 0 .. ctx_i - 1 are already in the cache, position p at block_tables[i][p // BS], offset p % BS.
 The cache may be stored in a narrower dtype than q (ops.write_kv.KV_CACHE_DTYPES): K/V are widened as they
-are read, and the output has q's dtype.
+are read, and the output has q's dtype. Or it holds block-quantized q8_0 / q4_0 rows (uint8, ops/kv_quant.py):
+K/V are dequantized as they are read, and since quantized K is stored Hadamard-rotated per 32-value block,
+q is rotated the same way before it meets K (scores are unchanged in exact arithmetic).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ops import kv_quant
 from ops._registry import NAMESPACE, impl, register, require
 from ops.write_kv import check_cache_dtype
 
@@ -20,13 +23,12 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor,
     op = "paged_attention"
     require(q.dim() == 3, op, f"q must be [T, Hq, D], got {tuple(q.shape)}")
     require(k_cache.dim() == 4 and v_cache.shape == k_cache.shape, op,
-            f"k_cache and v_cache must both be [NB, BS, Hk, D], "
+            f"k_cache and v_cache must both be [NB, BS, Hk, D or row bytes], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    require(k_cache.shape[3] == q.shape[2] and q.shape[1] % k_cache.shape[2] == 0, op,
-            f"q heads {q.shape[1]} must be a multiple of cache heads {k_cache.shape[2]} and head_dim must match "
-            f"(q {q.shape[2]}, cache {k_cache.shape[3]})")
+    require(q.shape[1] % k_cache.shape[2] == 0, op,
+            f"q heads {q.shape[1]} must be a multiple of cache heads {k_cache.shape[2]}")
     require(q.is_floating_point(), op, f"q must be a floating tensor, got {q.dtype}")
-    check_cache_dtype(op, k_cache, v_cache)
+    check_cache_dtype(op, k_cache, v_cache, q.shape[2])
     rows = context_lens.shape[0] if context_lens.dim() == 1 else -1
     require(context_lens.dtype == torch.int32 and rows >= 0, op,
             f"context_lens must be int32 [B], got {context_lens.dtype} {tuple(context_lens.shape)}")
@@ -48,9 +50,29 @@ def _check_lengths(starts: list[int], ctx: list[int], num_tokens: int, table_pos
             f"query_start_loc must start at 0 and end at most at T={num_tokens}, got {starts[0]} .. {starts[-1]}")
 
 
+def gather_kv(k_cache: Tensor, v_cache: Tensor, blocks: Tensor, dtype: torch.dtype,
+              head_dim: int) -> tuple[Tensor, Tensor]:
+    """K and V of cache `blocks` in `dtype`, [n, BS, Hk, D]: widened, or dequantized (K still rotated)."""
+    keys, values = k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
+    fmt = kv_quant.format_of(k_cache, head_dim)
+    if fmt:
+        return kv_quant.dequantize_kv(keys, values, fmt, dtype)
+    return keys.to(dtype), values.to(dtype)
+
+
+def queries_for(q: Tensor, k_cache: Tensor) -> Tensor:
+    """q as it meets the stored keys: rotated like quantized K, else as it is."""
+    return kv_quant.rotate(q).to(q.dtype) if kv_quant.format_of(k_cache, q.shape[-1]) else q
+
+
 def reference_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor,
                               context_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
-    """In float64 on the K/V as stored (i.e. after their rounding to the cache dtype)."""
+    """In float64 on the K/V as stored (i.e. after their rounding to the cache dtype). A quantized cache is
+    dequantized and its K rotated back (the rotation is its own inverse), so q is used as it is."""
+    fmt = kv_quant.format_of(k_cache, q.shape[-1])
+    if fmt:
+        k_cache = kv_quant.rotate(kv_quant.dequantize(k_cache, fmt).double())
+        v_cache = kv_quant.dequantize(v_cache, fmt).double()
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
     starts = query_start_loc.tolist()
@@ -71,7 +93,7 @@ def _decode_rows(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, rows:
     """All single-token rows at once: one block gather of their K/V padded to the longest context, one masked
     attention. A kv head's G query heads play the role of G query tokens, so K/V are never repeated per head.
     """
-    block_size, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    block_size, kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], q.shape[2]
     num_rows, group = len(rows), q.shape[1] // kv_heads
     lens = torch.tensor([ctx[r] for r in rows], dtype=torch.long)
     num_blocks = (int(lens.max()) + block_size - 1) // block_size
@@ -79,11 +101,11 @@ def _decode_rows(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, rows:
     used = torch.arange(num_blocks)[None, :] * block_size < lens[:, None]
     blocks = torch.where(used, blocks, 0).flatten()      # table entries past a row's context may be junk
     padded = num_blocks * block_size
-    keys = k_cache.index_select(0, blocks).to(q.dtype).view(num_rows, padded, kv_heads, head_dim).transpose(1, 2)
-    values = v_cache.index_select(0, blocks).to(q.dtype).view(num_rows, padded, kv_heads, head_dim).transpose(1, 2)
+    keys, values = (x.view(num_rows, padded, kv_heads, head_dim).transpose(1, 2)
+                    for x in gather_kv(k_cache, v_cache, blocks, q.dtype, head_dim))
     valid = (torch.arange(padded)[None, :] < lens[:, None])[:, None, None, :]     # [R, 1, 1, L]
     token_ids = torch.tensor([starts[r] for r in rows], dtype=torch.long)
-    queries = q.index_select(0, token_ids).view(num_rows, kv_heads, group, head_dim)
+    queries = queries_for(q.index_select(0, token_ids), k_cache).view(num_rows, kv_heads, group, head_dim)
     # The CPU SDPA kernels keep the softmax and accumulators in fp32 for bf16 inputs.
     attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=valid, scale=scale)
     out.index_copy_(0, token_ids, attended.reshape(num_rows, q.shape[1], head_dim))
@@ -93,10 +115,10 @@ def _prefill_row(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, start
                  table: Tensor, scale: float) -> None:
     block_size = k_cache.shape[1]
     blocks = table[: (n_ctx + block_size - 1) // block_size].long()
-    # the gathered copy of a narrower cache is widened to q's dtype for SDPA
-    keys = k_cache.index_select(0, blocks).to(q.dtype).flatten(0, 1)[:n_ctx].transpose(0, 1)   # [Hk, ctx, D]
-    values = v_cache.index_select(0, blocks).to(q.dtype).flatten(0, 1)[:n_ctx].transpose(0, 1)
-    queries = q[start:start + n].transpose(0, 1)                                   # [Hq, n, D]
+    # the gathered copy of a narrower or quantized cache is widened to q's dtype for SDPA: [Hk, ctx, D]
+    keys, values = (x.flatten(0, 1)[:n_ctx].transpose(0, 1)
+                    for x in gather_kv(k_cache, v_cache, blocks, q.dtype, q.shape[-1]))
+    queries = queries_for(q[start:start + n], k_cache).transpose(0, 1)             # [Hq, n, D]
     if n == n_ctx:
         mask, causal = None, True
     else:

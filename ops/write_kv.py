@@ -1,31 +1,47 @@
 """`pagedserve::write_kv`: scatter new K/V rows into the paged cache at their slots (block * BS + offset),
-converted to the cache's storage dtype (rounded to nearest even, as `Tensor.to` does)."""
+converted to the cache's storage dtype (rounded to nearest even, as `Tensor.to` does), or quantized into a
+uint8 cache of q8_0 / q4_0 rows (ops/kv_quant.py), K rotated by the block Walsh-Hadamard transform first."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from ops import kv_quant
 from ops._registry import NAMESPACE, impl, register, require
 
 # Storage dtypes of the paged K/V cache, independent of the activations' dtype: attention widens on read.
+# A torch.uint8 cache holds block-quantized rows instead (kv_quant.FORMATS, told apart by their row bytes).
 KV_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_cache_dtype(op: str, k_cache: Tensor, v_cache: Tensor) -> None:
+def check_cache_dtype(op: str, k_cache: Tensor, v_cache: Tensor, head_dim: int) -> str | None:
+    """The caches' quantized format (None for a float cache) for heads of `head_dim` values."""
     allowed = ", ".join(str(d).removeprefix("torch.") for d in KV_CACHE_DTYPES)
-    require(k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_CACHE_DTYPES, op,
-            f"k_cache and v_cache must share one K/V storage dtype ({allowed}), "
-            f"got {k_cache.dtype} and {v_cache.dtype}")
+    require(k_cache.dtype == v_cache.dtype and (k_cache.dtype in KV_CACHE_DTYPES or k_cache.dtype == torch.uint8),
+            op, f"k_cache and v_cache must share one K/V storage dtype ({allowed}) or uint8 "
+            f"({' / '.join(kv_quant.FORMATS)} rows), got {k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.dtype != torch.uint8:
+        require(k_cache.shape[-1] == head_dim, op,
+                f"the caches' last dim must be head_dim {head_dim}, got {k_cache.shape[-1]}")
+        return None
+    require(head_dim % kv_quant.BLOCK == 0, op,
+            f"a quantized (uint8) cache needs head_dim a multiple of {kv_quant.BLOCK}, got {head_dim}")
+    fmt = kv_quant.format_of(k_cache, head_dim)
+    require(fmt is not None, op, "a uint8 cache must hold rows of " + " or ".join(
+        f"{kv_quant.row_bytes(f, head_dim)} bytes ({f})" for f in kv_quant.FORMATS)
+        + f" for head_dim {head_dim}, got {k_cache.shape[-1]}")
+    return fmt
 
 
 def _check(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     op = "write_kv"
     require(k_cache.dim() == 4 and v_cache.shape == k_cache.shape, op,
-            f"k_cache and v_cache must both be [NB, BS, Hk, D], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    require(k.dim() == 3 and k.shape == v.shape and k.shape[1:] == k_cache.shape[2:], op,
-            f"k and v must be [T, Hk, D] with (Hk, D)={tuple(k_cache.shape[2:])} from the cache, "
+            f"k_cache and v_cache must both be [NB, BS, Hk, D or row bytes], got {tuple(k_cache.shape)} and "
+            f"{tuple(v_cache.shape)}")
+    require(k.dim() == 3 and k.shape == v.shape and k.shape[1] == k_cache.shape[2], op,
+            f"k and v must be [T, Hk, D] with Hk={k_cache.shape[2]} from the cache, "
             f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    check_cache_dtype(op, k_cache, v_cache)
+    check_cache_dtype(op, k_cache, v_cache, k.shape[2])
     require(k.dtype == v.dtype and k.is_floating_point(), op,
             f"k and v must share a floating dtype, got k {k.dtype}, v {v.dtype}")
     require(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (k.shape[0],), op,
@@ -34,6 +50,9 @@ def _check(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping:
 
 def reference_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     block_size = k_cache.shape[1]
+    fmt = kv_quant.format_of(k_cache, k.shape[-1])
+    if fmt:
+        k, v = kv_quant.quantize_kv(k, v, fmt)
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
@@ -52,8 +71,11 @@ def torch_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_
     slots = slot_mapping.index_select(0, keep)
     # (block, offset) indexing works for caches of any stride, unlike a flat view.
     blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
-    k_cache.index_put_((blocks, offsets), k.index_select(0, keep).to(k_cache.dtype))
-    v_cache.index_put_((blocks, offsets), v.index_select(0, keep).to(v_cache.dtype))
+    k, v = k.index_select(0, keep), v.index_select(0, keep)
+    fmt = kv_quant.format_of(k_cache, k.shape[-1])
+    k, v = kv_quant.quantize_kv(k, v, fmt) if fmt else (k.to(k_cache.dtype), v.to(v_cache.dtype))
+    k_cache.index_put_((blocks, offsets), k)
+    v_cache.index_put_((blocks, offsets), v)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::write_kv", mutates_args=("k_cache", "v_cache"))

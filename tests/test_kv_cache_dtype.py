@@ -1,8 +1,10 @@
-"""K/V stored in a 16-bit dtype (kv_cache_dtype) under fp32 or bf16 activations: write_kv converts on write,
-paged_attention widens on read, against a float64 reference on the K/V as stored. The C++ decode kernel is
-checked on every code path this CPU has: head_dim 128 and 64 take the widest vectors (AVX-512 here), 48
-the AVX2 code on an AVX-512 CPU, 40 the scalar code; bf16 queries on a bf16 cache take the bf16 dot
-products where AVX-512 BF16 exists. Long rows are cut into more shares than there are threads."""
+"""K/V stored in a 16-bit dtype or block-quantized (kv_cache_dtype) under fp32 or bf16 activations: write_kv
+converts (or quantizes) on write, paged_attention widens (or dequantizes) on read, against a float64
+reference on the K/V as stored. The C++ decode kernel is checked on every code path this CPU has: head_dim
+128 and 64 take the widest vectors (AVX-512 here), 48 the AVX2 code on an AVX-512 CPU, 40 the scalar code
+(quantized rows, whose head_dims are multiples of 32, cap the vector width through the kernel's `lanes`);
+bf16 queries on a bf16 cache take the bf16 dot products where AVX-512 BF16 exists. Long rows are cut into
+more shares than there are threads."""
 from __future__ import annotations
 
 import pytest
@@ -10,29 +12,53 @@ import torch
 
 import ops
 import ops.cpu
+from ops import kv_quant
 from ops.paged_attention import reference_paged_attention
 from ops.write_kv import reference_write_kv
 
 pagedserve = torch.ops.pagedserve
 KV_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# bf16 outputs are rounded to bf16 (and the bf16 dot products round the softmax weights to bf16)
+QUANT = list(kv_quant.FORMATS)
+# bf16 outputs are rounded to bf16 (and the bf16 dot products round the softmax weights to bf16, and
+# dequantized K/V values, and the rotated queries of a quantized cache)
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+QUANT_BF16_TOL = dict(atol=4e-2, rtol=2e-2)
+
+
+def tol(q_dtype, kv_dtype) -> dict:
+    return QUANT_BF16_TOL if isinstance(kv_dtype, str) and q_dtype == torch.bfloat16 else TOL[q_dtype]
 BLOCK = 16
 
 pytestmark = pytest.mark.usefixtures("cpp_kernels")
 
 
+def empty_cache(num_blocks, block, kv_heads, head_dim, kv_dtype):
+    """Zero K/V caches of a storage dtype or a quantized format's name (uint8 rows)."""
+    if isinstance(kv_dtype, str):
+        return (torch.zeros(num_blocks, block, kv_heads, kv_quant.row_bytes(kv_dtype, head_dim), dtype=torch.uint8)
+                for _ in range(2))
+    return (torch.zeros(num_blocks, block, kv_heads, head_dim, dtype=kv_dtype) for _ in range(2))
+
+
+def stored(k_cache, v_cache, head_dim):
+    """The caches' K/V as values in float64, quantized ones dequantized and K rotated back."""
+    fmt = kv_quant.format_of(k_cache, head_dim)
+    if fmt is None:
+        return k_cache.double(), v_cache.double()
+    return kv_quant.rotate(kv_quant.dequantize(k_cache, fmt).double()), kv_quant.dequantize(v_cache, fmt).double()
+
+
 def _batch(rows, group, head_dim, q_dtype, kv_dtype, *, kv_heads=2, block=BLOCK, seed=0):
     """rows = [(context_len, new_tokens)]: shuffled blocks, table entries past a row's context junk, every
-    position's K/V written through pagedserve.write_kv from q_dtype rows into kv_dtype caches."""
+    position's K/V written through pagedserve.write_kv from q_dtype rows into kv_dtype caches (a dtype or a
+    quantized format's name)."""
     g = torch.Generator().manual_seed(seed)
     width = max(-(-ctx // block) for ctx, _ in rows) + 1
     num_blocks = len(rows) * width + 1
     tables = torch.randperm(num_blocks, generator=g)[: len(rows) * width].view(len(rows), width).int()
     for i, (ctx, _) in enumerate(rows):
         tables[i, -(-ctx // block):] = num_blocks + 3
-    k_cache = torch.zeros(num_blocks, block, kv_heads, head_dim, dtype=kv_dtype)
-    v_cache = torch.zeros_like(k_cache)
+    k_cache, v_cache = empty_cache(num_blocks, block, kv_heads, head_dim, kv_dtype)
     slots = torch.tensor([int(tables[i, p // block]) * block + p % block for i, (ctx, _) in enumerate(rows)
                           for p in range(ctx)])
     k = (torch.randn(len(slots), kv_heads, head_dim, generator=g) * 2).to(q_dtype)
@@ -47,12 +73,13 @@ def _decode_reference(q, k_cache, v_cache, qsl, ctx, tables, scale):
     """Float64 attention of each decode row's token over its cached positions (vectorised, for long rows)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     group, block = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
+    k_cache, v_cache = stored(k_cache, v_cache, q.shape[2])
     for i, n_ctx in enumerate(ctx.tolist()):
         if qsl[i + 1] - qsl[i] != 1:
             continue
         blocks = tables[i, : -(-n_ctx // block)].long()
-        keys = k_cache[blocks].flatten(0, 1)[:n_ctx].double().repeat_interleave(group, dim=1)    # [ctx, Hq, D]
-        values = v_cache[blocks].flatten(0, 1)[:n_ctx].double().repeat_interleave(group, dim=1)
+        keys = k_cache[blocks].flatten(0, 1)[:n_ctx].repeat_interleave(group, dim=1)    # [ctx, Hq, D]
+        values = v_cache[blocks].flatten(0, 1)[:n_ctx].repeat_interleave(group, dim=1)
         weights = torch.softmax(torch.einsum("hd,chd->hc", q[qsl[i]].double(), keys) * scale, dim=-1)
         out[qsl[i]] = torch.einsum("hc,chd->hd", weights, values)
     return out
@@ -75,7 +102,7 @@ def test_paged_attention_reads_the_cache_as_stored(q_dtype, kv_dtype, group, hea
     assert not got[int(qsl[-1]):].any()                   # padding tokens stay zero
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES + QUANT)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shares", [1, 3, 7, 64])
 def test_long_rows_cut_into_shares_match_one_pass(q_dtype, kv_dtype, shares):
@@ -86,15 +113,16 @@ def test_long_rows_cut_into_shares_match_one_pass(q_dtype, kv_dtype, shares):
         got = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.0883, shares)
         want = _decode_reference(q, kc, vc, qsl, ctx, tables, 0.0883)
         decode = [int(qsl[i]) for i, (_, n) in enumerate(rows) if n == 1]
-        torch.testing.assert_close(got[decode].double(), want[decode], **TOL[q_dtype])
+        torch.testing.assert_close(got[decode].double(), want[decode], **tol(q_dtype, kv_dtype))
         assert not got[[t for t in range(q.shape[0]) if t not in decode]].any()   # the kernel's rows only
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, "q4_0"])
 @pytest.mark.parametrize("block", [8, 32])
-def test_block_sizes_other_than_the_tile(block):
-    """Blocks smaller than the 16-position tile and spanning two tiles, on a bf16 cache."""
+def test_block_sizes_other_than_the_tile(block, kv_dtype):
+    """Blocks smaller than the 16-position tile and spanning two tiles."""
     rows = [(block - 1, 1), (block + 3, 1), (5 * block, 1), (3 * block, 2)]
-    q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 64, torch.float32, torch.bfloat16, block=block, seed=block)
+    q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 64, torch.float32, kv_dtype, block=block, seed=block)
     got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
     torch.testing.assert_close(got, reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125),
                                **TOL[torch.float32])
@@ -117,9 +145,11 @@ def test_write_kv_rounds_like_tensor_to(src_dtype, kv_dtype):
     assert torch.equal(k_cache[3, 15], k[0].to(kv_dtype))
 
 
-def test_the_torch_bodies_read_a_narrower_cache_too():
-    """Without the C++ kernels (no compiler): the torch decode and prefill bodies widen a bf16 cache."""
-    q, kc, vc, qsl, ctx, tables = _batch(RAGGED, 4, 64, torch.float32, torch.bfloat16)
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, *QUANT])
+def test_the_torch_bodies_read_a_narrower_cache_too(kv_dtype):
+    """Without the C++ kernels (no compiler): the torch decode and prefill bodies widen a bf16 cache and
+    dequantize a quantized one."""
+    q, kc, vc, qsl, ctx, tables = _batch(RAGGED, 4, 64, torch.float32, kv_dtype)
     ops.cpu.use_backend("torch")
     got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
     torch.testing.assert_close(got, reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125),
@@ -134,7 +164,7 @@ def test_caches_of_different_or_unsupported_dtypes_are_refused():
         pagedserve.write_kv(kc.to(torch.int8), vc.to(torch.int8), q[:1, :2], q[:1, :2], torch.tensor([0]))
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, *QUANT])
 def test_opcheck_with_a_narrower_cache(kv_dtype):
     q, kc, vc, qsl, ctx, tables = _batch(RAGGED, 2, 64, torch.float32, kv_dtype)
     torch.library.opcheck(pagedserve.paged_attention.default, (q, kc, vc, qsl, ctx, tables, 0.125))

@@ -1,6 +1,7 @@
-"""Fidelity of a 16-bit K/V cache under fp32 activations, on tiny random models: greedy tokens with bf16 and
-fp16 K/V against fp32 K/V (which equals transformers), prompts prefilled in chunks (later chunks read the
-16-bit cached prefix) and then decoded a token a step (the C++ decode kernel)."""
+"""Fidelity of a 16-bit or block-quantized K/V cache under fp32 activations, on tiny random models: greedy
+tokens with bf16 and fp16 K/V against fp32 K/V (which equals transformers), and the logits with q8_0 and
+q4_0 K/V fed the fp32 run's tokens; prompts prefilled in chunks (later chunks read the narrower cached
+prefix) and then decoded a token a step (the C++ decode kernel)."""
 from __future__ import annotations
 
 import pytest
@@ -17,28 +18,30 @@ PROMPTS, NEW, CHUNK, BLOCK = 16, 24, 24, 16
 CPU = torch.device("cpu")
 
 
-def _greedy(model, kv_dtype: torch.dtype, ids: list[int]) -> list[int]:
+def _greedy(model, kv_dtype: torch.dtype | str, ids: list[int], feed: list[int] | None = None):
+    """The NEW greedy tokens after `ids`, or with `feed` the logits [NEW, vocab] of feeding those tokens."""
     cfg = model.cfg
     blocks = -(-(len(ids) + NEW) // BLOCK)
     pool = KVPool(KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BLOCK, kv_dtype), blocks + 1, CPU)
     table = torch.arange(1, blocks + 1, dtype=torch.int32)[None]
 
-    def step(tokens: list[int], start: int) -> int:
+    def step(tokens: list[int], start: int) -> torch.Tensor:
         n = len(tokens)
         positions = torch.arange(start, start + n)
         batch = ForwardBatch(input_ids=torch.tensor(tokens), positions=positions, slot_mapping=positions + BLOCK,
                              block_tables=table, query_start_loc=torch.tensor([0, n], dtype=torch.int32),
                              context_lens=torch.tensor([start + n], dtype=torch.int32),
                              logits_indices=torch.tensor([n - 1]))
-        return int(model.logits(model.forward(batch, pool.layers))[0].argmax())
+        return model.logits(model.forward(batch, pool.layers))[0]
 
     with torch.inference_mode():
         for start in range(0, len(ids), CHUNK):
-            token = step(ids[start:start + CHUNK], start)
-        out = [token]
+            logits = [step(ids[start:start + CHUNK], start)]
+        out = [int(logits[0].argmax())] if feed is None else feed[:1]
         for _ in range(NEW - 1):
-            out.append(step([out[-1]], len(ids) + len(out) - 1))
-    return out
+            logits.append(step([out[-1]], len(ids) + len(out) - 1))
+            out.append(int(logits[-1].argmax()) if feed is None else feed[len(out)])
+    return out if feed is None else torch.stack(logits)
 
 
 def _hf_greedy(hf, ids: list[int]) -> list[int]:
@@ -70,3 +73,27 @@ def test_16_bit_kv_greedy_tokens_mostly_equal_fp32_kv(tiny_checkpoint, record_pr
         print(f"{name} K/V vs fp32 K/V: {same:.0%} of {PROMPTS} prompts identical over {NEW} tokens, "
               f"greedy prefix agreement {prefix:.0%}")
         assert same >= 0.75 and prefix >= 0.85, name
+
+
+# Bounds a little above the max abs logit error measured over the 16 prompts' steps; q4_0's rounding step is
+# about 16x q8_0's (amax / 8 against amax / 127), and so is its bound.
+QUANT_LOGIT_BOUND = {"q8_0": 0.1, "q4_0": 1.5}
+
+
+@pytest.mark.usefixtures("cpp_kernels")
+def test_quantized_kv_logits_stay_close_to_fp32_kv(tiny_checkpoint, record_property):
+    path = tiny_checkpoint("qwen3", tied=False, heads=8, kv_heads=2, head_dim=64, layers=3)
+    ckpt = open_checkpoint(path)
+    model = DenseDecoder(parse_model_config(ckpt.config), ckpt, torch.float32, CPU)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 400, (int(n),), generator=g).tolist()
+               for n in torch.randint(20, 90, (PROMPTS,), generator=g)]
+    tokens = [_greedy(model, torch.float32, p) for p in prompts]
+    reference = [_greedy(model, torch.float32, p, feed=t) for p, t in zip(prompts, tokens)]
+    for fmt, bound in QUANT_LOGIT_BOUND.items():
+        err = max(float((_greedy(model, fmt, p, feed=t) - r).abs().max())
+                  for p, t, r in zip(prompts, tokens, reference))
+        record_property(f"{fmt}_kv_max_abs_logit_error", err)
+        print(f"{fmt} K/V vs fp32 K/V: max abs logit error {err:.4f} (logits std "
+              f"{float(torch.cat(reference).std()):.2f})")
+        assert err < bound, fmt

@@ -87,5 +87,7 @@ def test_kv_cache_dtype_names():
     assert resolve_kv_cache_dtype("model", CPU, torch.float32) == torch.float32
     assert [resolve_kv_cache_dtype(n, CPU, torch.float32) for n in ("bf16", "fp16", "fp32")] == [
         torch.bfloat16, torch.float16, torch.float32]
-    with pytest.raises(KVCacheDtypeError, match='kv_cache_dtype = .q8_0.: allowed are "auto", "model", "bf16"'):
-        resolve_kv_cache_dtype("q8_0", CPU, torch.float32)
+    assert [resolve_kv_cache_dtype(n, CPU, torch.float32) for n in ("q8_0", "q4_0")] == ["q8_0", "q4_0"]
+    with pytest.raises(KVCacheDtypeError, match='kv_cache_dtype = .q3_k.: allowed are "auto", "model", "bf16", '
+                                                '"fp16", "fp32", "q8_0", "q4_0"'):
+        resolve_kv_cache_dtype("q3_k", CPU, torch.float32)

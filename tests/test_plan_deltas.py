@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from fake_engine import drain, make_request, make_scheduler, record_plans
 from tiny_models import hf_model
 
 from engine import LLM, SamplingParams
+from engine.client import EngineClient
 from engine.contracts import ContractError, PlanRow, RowKind, StepPlan
 from engine.plan_ledger import PlanLedger
 
@@ -83,10 +85,14 @@ def _llm(path, **kw):
     return LLM(model=path, dtype="float32", max_model_len=96, **kw)
 
 
-def test_plans_replayed_into_a_new_engine_reproduce_its_state(model_path):
-    """Preemption, prefix hits and penalties: the log alone rebuilds the tables, the K/V pool
-    and every sampled token in an engine that never saw the scheduler."""
-    llm = _llm(model_path, kv_pool_tokens=160, max_concurrency=4)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "q8_0", "q4_0"])
+def test_plans_replayed_into_a_new_engine_reproduce_its_state(model_path, kv_cache_dtype):
+    """Preemption, prefix hits and penalties: the log alone rebuilds the tables, the K/V pool (16-bit or
+    quantized, bytes equal) and every sampled token in an engine that never saw the scheduler."""
+    llm = _llm(model_path, kv_pool_tokens=160, max_concurrency=4, kv_cache_dtype=kv_cache_dtype)
+    # what /props and the console header show (EngineClient.info reads only .engine; a client would start the loop)
+    shown = EngineClient.info(SimpleNamespace(engine=llm.engine)).kv_cache_dtype
+    assert shown == {"auto": "bfloat16"}.get(kv_cache_dtype, kv_cache_dtype)
     log = record_plans(llm.engine)
     shared = list(range(10, 27))                      # one full block, cached by the first call
     llm.generate([shared + [1]], SamplingParams(temperature=0, max_tokens=4))
@@ -99,7 +105,7 @@ def test_plans_replayed_into_a_new_engine_reproduce_its_state(model_path):
     llm.generate(prompts, params)               # 4 x ~78 tokens in a 160-token pool: preemptions
     assert llm.engine.scheduler.stats().preemptions_total > 0
     assert llm.engine.scheduler.stats().prefix_cache_hit_tokens > 0
-    fresh = _llm(model_path, kv_pool_tokens=160, max_concurrency=4).engine.runner
+    fresh = _llm(model_path, kv_pool_tokens=160, max_concurrency=4, kv_cache_dtype=kv_cache_dtype).engine.runner
     for plan, result in log:
         assert fresh.execute(plan) == result, f"step {plan.step}"
     old = llm.engine.runner

@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_ops import _paged_batch  # noqa: E402  (test-only paged batch builder: shuffled tables, junk entries)
 
+from ops import kv_quant  # noqa: E402
 from ops.causal_conv1d import reference_causal_conv1d  # noqa: E402
 from ops.gated_delta_rule import reference_gated_delta_rule  # noqa: E402
 from ops.paged_attention import reference_paged_attention  # noqa: E402
@@ -29,7 +30,7 @@ from ops.silu_and_mul import reference_silu_and_mul  # noqa: E402
 from ops.triton import KERNELS  # noqa: E402
 from ops.triton._launch import interpreting  # noqa: E402
 from ops.triton.gated_delta_rule import CHUNK as TRITON_DELTA_CHUNK  # noqa: E402
-from ops.write_kv import reference_write_kv  # noqa: E402
+from ops.write_kv import reference_write_kv, torch_write_kv  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
 
@@ -101,7 +102,32 @@ def test_paged_attention_reads_a_16_bit_cache_with_fp32_queries(kv_dtype):
     _close(out, reference_paged_attention(q, k_cache, v_cache, qsl, ctx, tables, 0.3), torch.float32)
 
 
+@pytest.mark.parametrize("fmt", kv_quant.FORMATS)
+def test_paged_attention_dequantizes_a_quantized_cache(fmt):
+    """q8_0 / q4_0 rows (K rotated, so the launcher rotates q): decode rows (split-K) and a prefill chunk
+    after a cached prefix, against the reference on the dequantized cache."""
+    q, k_cache, v_cache, qsl, ctx, tables = _paged_batch(ROWS, 6, 2, 64, torch.float32, pad_tokens=1)
+    kc, vc = (torch.zeros(*k_cache.shape[:3], kv_quant.row_bytes(fmt, 64), dtype=torch.uint8) for _ in range(2))
+    reference_write_kv(kc, vc, k_cache.flatten(0, 1), v_cache.flatten(0, 1), torch.arange(kc.shape[0] * 16))
+    out = _run("paged_attention", q, kc, vc, qsl, ctx, tables, 0.3, num_splits=2)
+    _close(out, reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.3), torch.float32)
+
+
 # ---------------------------------------------------------------- write_kv, norms, rotary, activation
+
+@pytest.mark.parametrize("fmt", kv_quant.FORMATS)
+@pytest.mark.parametrize("heads, head_dim", [(2, 64), (3, 96)])      # padded heads and blocks
+def test_write_kv_quantizes_to_the_torch_bodys_bytes(fmt, heads, head_dim):
+    g = _gen(6)
+    kc, vc = (torch.zeros(3, 16, heads, kv_quant.row_bytes(fmt, head_dim), dtype=torch.uint8) for _ in range(2))
+    k, v = torch.randn(5, heads, head_dim, generator=g) * 3, torch.randn(5, heads, head_dim, generator=g)
+    k[1], k[2, 0, :32], k[2, 0, 0] = 0.0, 0.0, -0.0      # zero blocks, one starting with -0.0
+    slots = torch.tensor([0, 17, -1, 47, 5])
+    expected_k, expected_v = kc.clone(), vc.clone()
+    torch_write_kv(expected_k, expected_v, k, v, slots)
+    _run("write_kv", kc, vc, k, v, slots)
+    assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_reference_and_skips_padding(dtype):

@@ -10,6 +10,7 @@ import psutil
 import torch
 
 from engine.errors import UserError
+from ops import kv_quant
 
 
 class PoolSizeError(UserError, RuntimeError):
@@ -17,20 +18,23 @@ class PoolSizeError(UserError, RuntimeError):
 
 
 class KVCacheDtypeError(UserError, ValueError):
-    """An unknown kv_cache_dtype; the message lists the allowed names."""
+    """An unknown kv_cache_dtype, or one the model's heads cannot be stored in; the message says the fix."""
 
 
-# kv_cache_dtype names -> storage dtypes (the block-quantized q8_0 / q4_0 types are a later step). "model"
-# stores K/V in the activations' dtype; "auto" picks per device, see resolve_kv_cache_dtype.
-KV_CACHE_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# kv_cache_dtype names -> storage dtypes, or the name itself for the block-quantized formats (ops/kv_quant.py:
+# uint8 rows, K Hadamard-rotated). "model" stores K/V in the activations' dtype; "auto" picks per device, see
+# resolve_kv_cache_dtype.
+KV_CACHE_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                        **{fmt: fmt for fmt in kv_quant.FORMATS}}
 KV_CACHE_DTYPE_CHOICES = ("auto", "model", *KV_CACHE_DTYPE_NAMES)
 
 
-def resolve_kv_cache_dtype(choice: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
-    """The K/V storage dtype for `choice`. `auto` on CPUs is bf16 whatever the activations' dtype: decode
-    attention there is bound by the K/V it reads and widens them as it reads; bf16 widens with a shift and
-    a mask where fp16 takes a dearer conversion instruction (and has less range), and bf16 K/V against bf16
-    queries use the CPU's bf16 dot products where it has them. On GPUs `auto` is the model's dtype."""
+def resolve_kv_cache_dtype(choice: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype | str:
+    """The K/V storage dtype for `choice` (or the quantized format's name, "q8_0" / "q4_0"). `auto` on CPUs
+    is bf16 whatever the activations' dtype: decode attention there is bound by the K/V it reads and widens
+    them as it reads; bf16 widens with a shift and a mask where fp16 takes a dearer conversion instruction
+    (and has less range), and bf16 K/V against bf16 queries use the CPU's bf16 dot products where it has
+    them. On GPUs `auto` is the model's dtype."""
     if choice == "auto":
         return torch.bfloat16 if device.type == "cpu" else model_dtype
     if choice == "model":
@@ -44,17 +48,35 @@ def resolve_kv_cache_dtype(choice: str, device: torch.device, model_dtype: torch
 @dataclass(frozen=True)
 class KVShape:
     """One attention layer's paged K/V, per layer and block; `dtype` is the storage dtype, which may be
-    narrower than the activations' (the ops convert on write and read), and sizes the pool."""
+    narrower than the activations' (the ops convert on write and read), or a quantized format's name
+    (kv_quant.FORMATS: uint8 rows of row_bytes per slot and kv head); it sizes the pool."""
     num_layers: int
     kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype | str
+
+    def __post_init__(self):
+        problem = kv_quant.head_dim_problem(self.dtype, self.head_dim) if isinstance(self.dtype, str) else None
+        if problem:
+            raise KVCacheDtypeError(problem)
+
+    @property
+    def slot_dims(self) -> tuple[int, int]:
+        """(kv heads, values or bytes per head) of one cache slot."""
+        if isinstance(self.dtype, str):
+            return self.kv_heads, kv_quant.row_bytes(self.dtype, self.head_dim)
+        return self.kv_heads, self.head_dim
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return torch.uint8 if isinstance(self.dtype, str) else self.dtype
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.kv_heads * self.head_dim * elem
+        elem = torch.empty((), dtype=self.storage_dtype).element_size()
+        heads, per_head = self.slot_dims
+        return 2 * self.num_layers * self.block_size * heads * per_head * elem
 
 
 def available_bytes(device: torch.device) -> int:
@@ -73,12 +95,14 @@ CPU_MEMORY_SHARE = 0.5
 
 def plan_num_blocks(shape: KVShape, *, kv_pool_tokens: int, max_concurrency: int,
                     max_model_len: int, device: torch.device, reserve_fraction: float = 0.1,
-                    reserve_min_bytes: int = 1 << 30, state_bytes: int = 0) -> int:
+                    reserve_min_bytes: int = 1 << 30, state_bytes: int = 0, draft: KVShape | None = None) -> int:
     """Blocks for the pool: the user's token count, else (CPU) what max_concurrency sequences of
     DEFAULT_CONTEXT tokens need, capped by CPU_MEMORY_SHARE of free memory, or (GPU) what free memory
     holds less a reserve, capped at max_concurrency full-length sequences. The `state_bytes` of
-    recurrent-state slots come off the memory first; never less than one full-length sequence."""
+    recurrent-state slots come off the memory first; never less than one full-length sequence. A
+    `draft` model's K/V (engine/draft.py) lives under the same block ids, so each block costs both."""
     bs = shape.block_size
+    per_block = shape.bytes_per_block + (draft.bytes_per_block if draft else 0)
     per_seq = -(-max_model_len // bs) + 1          # a full-length sequence plus its spare block
     if kv_pool_tokens:
         blocks = -(-kv_pool_tokens // bs)
@@ -88,11 +112,11 @@ def plan_num_blocks(shape: KVShape, *, kv_pool_tokens: int, max_concurrency: int
         if device.type == "cpu":
             usable = int(free * CPU_MEMORY_SHARE) - state_bytes
             wanted = max_concurrency * (-(-min(max_model_len, DEFAULT_CONTEXT) // bs) + 1)
-            blocks = min(max(wanted, per_seq), max(0, usable // shape.bytes_per_block))
+            blocks = min(max(wanted, per_seq), max(0, usable // per_block))
         else:
             usable = free - max(reserve_min_bytes, int(free * reserve_fraction)) - state_bytes
-            blocks = min(max(0, usable // shape.bytes_per_block), per_seq * max_concurrency)
-        source = (f"{free / 2**30:.1f} GiB free memory ({shape.bytes_per_block:,} "
+            blocks = min(max(0, usable // per_block), per_seq * max_concurrency)
+        source = (f"{free / 2**30:.1f} GiB free memory ({per_block:,} "
                   f"bytes per block of {bs} tokens)")
     if blocks < per_seq:
         raise PoolSizeError(
@@ -128,9 +152,9 @@ class KVPool:
     def __init__(self, shape: KVShape, num_blocks: int, device: torch.device):
         self.shape = shape
         self.num_blocks = num_blocks
-        dims = (num_blocks, shape.block_size, shape.kv_heads, shape.head_dim)
+        dims = (num_blocks, shape.block_size, *shape.slot_dims)
         # zeros, not empty: padded attention reads of unwritten slots must not meet NaN garbage
-        self.layers = [(lazy_zeros(dims, shape.dtype, device), lazy_zeros(dims, shape.dtype, device))
+        self.layers = [(lazy_zeros(dims, shape.storage_dtype, device), lazy_zeros(dims, shape.storage_dtype, device))
                        for _ in range(shape.num_layers)]
 
     @property

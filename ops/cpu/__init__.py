@@ -4,8 +4,9 @@
 (~15 s, cached under the user cache dir, see ops/cpu/build.py). Without a working compiler one line is
 logged and the torch bodies stay registered. PAGEDSERVE_CPU_KERNELS=0 skips the build on purpose.
 
-Ops with a kernel: paged_attention (decode rows, K/V stored in fp32, bf16 or fp16; prefill rows keep
-torch's SDPA), write_kv (converting to the cache's dtype), rotary,
+Ops with a kernel: paged_attention (decode rows, K/V stored in fp32, bf16 or fp16, or q8_0 / q4_0 rows
+dequantized in registers; prefill rows keep torch's SDPA), write_kv (converting to the cache's dtype or
+quantizing), rotary,
 quant_linear, rms_norm and add_rms_norm (these round where transformers does; only the order of the
 sum of squares differs, so outputs may differ from the torch body by an ulp or two). silu_and_mul stays
 in torch: its exp is torch's own.
@@ -19,6 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from ops import kv_quant
 from ops._registry import register, require
 from ops.cpu import build
 from ops.paged_attention import _check_lengths, _prefill_row, torch_paged_attention
@@ -38,7 +40,8 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
                         context_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
     starts, ctx = query_start_loc.tolist(), context_lens.tolist()
     _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])
-    if (q.dtype not in KERNEL_DTYPES or k_cache.dtype not in KV_CACHE_DTYPES or k_cache.stride(3) != 1
+    stored = k_cache.dtype in KV_CACHE_DTYPES or kv_quant.format_of(k_cache, q.shape[2]) is not None
+    if (q.dtype not in KERNEL_DTYPES or not stored or k_cache.stride(3) != 1
             or v_cache.stride() != k_cache.stride() or q.shape[2] % 2):
         return torch_paged_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale)
     out = _lib.paged_attention_decode(q.contiguous(), k_cache, v_cache, query_start_loc, context_lens,

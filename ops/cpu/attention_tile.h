@@ -1,6 +1,8 @@
 // Register tiles of the decode attention (ops/cpu/paged_attention.cpp): one tile of up to 16 cached
 // positions of one kv head against the G query heads of its GQA group, scores, the online-softmax update
-// and the weighted sum of values, written once over the instruction sets of simd.h.
+// and the weighted sum of values, written once over the instruction sets of simd.h and the cache types: fp32,
+// bf16, fp16 values, or the q8_0 / q4_0 rows of kv_quant.h (addressed in bytes, Elem<C>, and dequantized by
+// load_kv as they are loaded).
 #pragma once
 
 #include <algorithm>
@@ -8,11 +10,14 @@
 #include <limits>
 #include <type_traits>
 
+#include "kv_quant.h"
 #include "simd.h"
 
 namespace pagedserve_cpu::attention {
 
 using namespace pagedserve_cpu::simd;
+using kv_quant::Elem;
+using kv_quant::kQuant;
 
 constexpr int kTile = 16;           // positions scored together (one transposing sum of 16 dot products)
 constexpr int kMaxGroup = 8;        // query heads per register tile; larger GQA groups take several passes
@@ -34,24 +39,56 @@ constexpr int kValuePairs = std::clamp((kRegs<S> - 3) / (2 * (G + 1)), 1, 4);
 template <class S>
 using Query = std::conditional_t<kDotBf16<S>, c10::BFloat16, float>;
 
-// Prefetches into L2 the lines of 2W values at `p`: one step of a later block's K or V, issued while this
-// block is scored. Into L2, not L1: the tile's working set already fills L1, which evicted the lines before
-// they were used; and spread over the scoring loop, one step per step of the keys (issued all at once per
-// block they arrived later). Forced inline, like every caller up to score_keys: GCC takes a function
-// that only prefetches for one without effects and drops the calls to it.
+// Prefetches into L2 the lines of values [d, d + 2W) of a row: one step of a later block's K or V, issued
+// while this block is scored. Into L2, not L1: the tile's working set already fills L1, which evicted the
+// lines before they were used; and spread over the scoring loop, one step per step of the keys (issued all
+// at once per block they arrived later). Forced inline, like every caller up to score_keys: GCC takes a
+// function that only prefetches for one without effects and drops the calls to it.
 template <class S, class C>
-PAGEDSERVE_INLINE void prefetch_step(const C* p) {
-  for (int64_t byte = 0; byte < 2 * S::W * static_cast<int64_t>(sizeof(C)); byte += 64)
-    S::prefetch(reinterpret_cast<const char*>(p) + byte);
+PAGEDSERVE_INLINE void prefetch_step(const Elem<C>* row, int64_t d) {
+  const auto* base = reinterpret_cast<const char*>(row);
+  const uintptr_t last = reinterpret_cast<uintptr_t>(base + kv_quant::byte_of<C>(d + 2 * S::W));
+  for (uintptr_t line = reinterpret_cast<uintptr_t>(base + kv_quant::byte_of<C>(d)) & ~uintptr_t{63}; line < last;
+       line += 64)
+    S::prefetch(reinterpret_cast<const void*>(line));
+}
+
+// Values [d, d + 2W) of a cached row as two fp32 vectors (in simd.h's `lane` order).
+template <class S, class C>
+PAGEDSERVE_INLINE void load_kv(const Elem<C>* row, int64_t d, typename S::V& a, typename S::V& b) {
+  if constexpr (kQuant<C>)
+    kv_quant::load2_quant<S, C>(row, d, a, b);
+  else
+    S::load2(row + d, a, b);
+}
+
+// The dot-product set's loads: values [d, d + 2W) of a row as bf16 in order, and those of two rows (j, j + 1)
+// paired value by value (zeros for b = null; see Avx512Bf16::interleave).
+template <class S, class C>
+PAGEDSERVE_INLINE auto load_kv_bf16(const Elem<C>* row, int64_t d) {
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+  if constexpr (kQuant<C>) return kv_quant::load_bf16_quant<C>(row, d);
+#endif
+  if constexpr (!kQuant<C>) return S::load_bf16(row + d);
+}
+
+template <class S, class C>
+PAGEDSERVE_INLINE void interleave_kv(const Elem<C>* a, const Elem<C>* b, int64_t d, typename S::B& lo,
+                                     typename S::B& hi) {
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+  if constexpr (kQuant<C>) kv_quant::interleave_quant<C>(a, b, d, lo, hi);
+#endif
+  if constexpr (!kQuant<C>) S::interleave(a + d, b ? b + d : nullptr, lo, hi);
 }
 
 // Keys [0, n) and their values of a later block, at the same 2W values as the keys being scored.
 template <class S, class C>
-PAGEDSERVE_INLINE void prefetch_keys(const C* ahead_k, const C* ahead_v, int n, int64_t stride, int64_t d) {
+PAGEDSERVE_INLINE void prefetch_keys(const Elem<C>* ahead_k, const Elem<C>* ahead_v, int n, int64_t stride,
+                                     int64_t d) {
   if (ahead_k)
     for (int j = 0; j < n; ++j) {
-      prefetch_step<S>(ahead_k + j * stride + d);
-      prefetch_step<S>(ahead_v + j * stride + d);
+      prefetch_step<S, C>(ahead_k + j * stride, d);
+      prefetch_step<S, C>(ahead_v + j * stride, d);
     }
 }
 
@@ -61,18 +98,18 @@ PAGEDSERVE_INLINE void prefetch_keys(const C* ahead_k, const C* ahead_v, int n, 
 // every dot product for a reduction later cost as much as the products). With `ahead_k` (then also
 // `ahead_v`), the same slots of a later block are prefetched.
 template <class S, class C, int G, int J>
-PAGEDSERVE_INLINE void score_keys(const Query<S>* q, const C* k, int64_t stride, int n, int64_t dim, float* red,
-                                  int part_stride, const C* ahead_k, const C* ahead_v) {
+PAGEDSERVE_INLINE void score_keys(const Query<S>* q, const Elem<C>* k, int64_t stride, int n, int64_t dim,
+                                  float* red, int part_stride, const Elem<C>* ahead_k, const Elem<C>* ahead_v) {
   typename S::V acc[G][J];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < J; ++j) acc[g][j] = S::zero();
-  const C* keys[J];
+  const Elem<C>* keys[J];
   for (int j = 0; j < J; ++j) keys[j] = k + (j < n ? j : 0) * stride;
   if constexpr (kDotBf16<S>) {
     for (int64_t d = 0; d < dim; d += 2 * S::W) {
-      decltype(S::load_bf16(k)) key[J];
-      for (int j = 0; j < J; ++j) key[j] = S::load_bf16(keys[j] + d);
-      prefetch_keys<S>(ahead_k, ahead_v, n, stride, d);
+      typename S::B key[J];
+      for (int j = 0; j < J; ++j) key[j] = load_kv_bf16<S, C>(keys[j], d);
+      prefetch_keys<S, C>(ahead_k, ahead_v, n, stride, d);
       for (int g = 0; g < G; ++g) {
         const auto qv = S::keep(S::load_bf16(q + g * dim + d));
         for (int j = 0; j < J; ++j) acc[g][j] = S::dot2(acc[g][j], qv, key[j]);
@@ -81,8 +118,8 @@ PAGEDSERVE_INLINE void score_keys(const Query<S>* q, const C* k, int64_t stride,
   } else {
     for (int64_t d = 0; d < dim; d += 2 * S::W) {
       typename S::V ka[J], kb[J];
-      for (int j = 0; j < J; ++j) S::load2(keys[j] + d, ka[j], kb[j]);
-      prefetch_keys<S>(ahead_k, ahead_v, n, stride, d);
+      for (int j = 0; j < J; ++j) load_kv<S, C>(keys[j], d, ka[j], kb[j]);
+      prefetch_keys<S, C>(ahead_k, ahead_v, n, stride, d);
       for (int g = 0; g < G; ++g) {
         const typename S::V qa = S::keep(S::load(q + g * dim + d)), qb = S::keep(S::load(q + g * dim + d + S::W));
         for (int j = 0; j < J; ++j) acc[g][j] = S::fmadd(qb, kb[j], S::fmadd(qa, ka[j], acc[g][j]));
@@ -98,7 +135,7 @@ PAGEDSERVE_INLINE void score_keys(const Query<S>* q, const C* k, int64_t stride,
 // acc[g][d0 .. d0 + 2N*W) = acc * corr[g] + sum over the tile's keys j of p[g][j] * v_j: N pairs of value
 // vectors of all G heads stay in registers across the keys.
 template <class S, class C, int G, int N>
-PAGEDSERVE_INLINE void add_values(const float* p, const float* corr, const C* v, int64_t stride, int len,
+PAGEDSERVE_INLINE void add_values(const float* p, const float* corr, const Elem<C>* v, int64_t stride, int len,
                                   int64_t dim, int64_t d0, float* acc) {
   typename S::V out[G][2 * N];
   for (int g = 0; g < G; ++g) {
@@ -107,7 +144,7 @@ PAGEDSERVE_INLINE void add_values(const float* p, const float* corr, const C* v,
   }
   for (int j = 0; j < len; ++j) {
     typename S::V val[2 * N];
-    for (int n = 0; n < N; ++n) S::load2(v + j * stride + d0 + 2 * n * S::W, val[2 * n], val[2 * n + 1]);
+    for (int n = 0; n < N; ++n) load_kv<S, C>(v + j * stride, d0 + 2 * n * S::W, val[2 * n], val[2 * n + 1]);
     for (int g = 0; g < G; ++g) {
       const typename S::V w = S::set1(p[g * kTile + j]);
       for (int i = 0; i < 2 * N; ++i) out[g][i] = S::fmadd(w, val[i], out[g][i]);
@@ -119,9 +156,9 @@ PAGEDSERVE_INLINE void add_values(const float* p, const float* corr, const C* v,
 
 // The dot-product set's add_values: key pairs (j, j+1) interleaved, weighed by bf16 pairs of their weights
 // (a tile's odd last key is paired with zeros), N chunks of 2W values per pass.
-template <class S, int G, int N>
-PAGEDSERVE_INLINE void add_values_dot(const uint32_t* pairs, const float* corr, const c10::BFloat16* v,
-                                      int64_t stride, int len, int64_t dim, int64_t d0, float* acc) {
+template <class S, class C, int G, int N>
+PAGEDSERVE_INLINE void add_values_dot(const uint32_t* pairs, const float* corr, const Elem<C>* v, int64_t stride,
+                                      int len, int64_t dim, int64_t d0, float* acc) {
   typename S::V out[G][2 * N];
   for (int g = 0; g < G; ++g) {
     const typename S::V c = S::set1(corr[g]);
@@ -129,10 +166,9 @@ PAGEDSERVE_INLINE void add_values_dot(const uint32_t* pairs, const float* corr, 
   }
   for (int j = 0; j < len; j += 2) {
     typename S::B lo[N], hi[N];
-    for (int n = 0; n < N; ++n) {
-      const c10::BFloat16* at = v + j * stride + d0 + 2 * n * S::W;
-      S::interleave(at, j + 1 < len ? at + stride : nullptr, lo[n], hi[n]);
-    }
+    for (int n = 0; n < N; ++n)
+      interleave_kv<S, C>(v + j * stride, j + 1 < len ? v + (j + 1) * stride : nullptr, d0 + 2 * n * S::W, lo[n],
+                          hi[n]);
     for (int g = 0; g < G; ++g) {
       const typename S::B w = S::set1_pair(pairs[g * kTile / 2 + j / 2]);
       for (int n = 0; n < N; ++n) {
@@ -159,9 +195,9 @@ struct Scratch {
 // softmax steps run for all G heads side by side: G independent dependency chains (sums, max, exp) that
 // overlap, where one head at a time would wait on each.
 template <class S, class C, int G>
-void attend_tile(const Query<S>* q, float* acc, float* run_max, float* run_sum, const C* k, const C* v,
-                 int64_t stride, int len, int64_t dim, float scale, Scratch<S>& s, const C* ahead_k,
-                 const C* ahead_v) {
+void attend_tile(const Query<S>* q, float* acc, float* run_max, float* run_sum, const Elem<C>* k,
+                 const Elem<C>* v, int64_t stride, int len, int64_t dim, float scale, Scratch<S>& s,
+                 const Elem<C>* ahead_k, const Elem<C>* ahead_v) {
   using V = typename S::V;
   constexpr int J = kKeys<S, G>, M = kTile / J, L = kTile / S::W;   // M key groups, L vectors of scores
   const int used = (len + J - 1) / J;
@@ -216,8 +252,8 @@ void attend_tile(const Query<S>* q, float* acc, float* run_max, float* run_sum, 
   int64_t d0 = 0;
   if constexpr (kDotBf16<S>) {
     for (; d0 + 2 * N * S::W <= dim; d0 += 2 * N * S::W)
-      add_values_dot<S, G, N>(s.pairs, s.corr, v, stride, len, dim, d0, acc);
-    for (; d0 < dim; d0 += 2 * S::W) add_values_dot<S, G, 1>(s.pairs, s.corr, v, stride, len, dim, d0, acc);
+      add_values_dot<S, C, G, N>(s.pairs, s.corr, v, stride, len, dim, d0, acc);
+    for (; d0 < dim; d0 += 2 * S::W) add_values_dot<S, C, G, 1>(s.pairs, s.corr, v, stride, len, dim, d0, acc);
   } else {
     for (; d0 + 2 * N * S::W <= dim; d0 += 2 * N * S::W)
       add_values<S, C, G, N>(s.p, s.corr, v, stride, len, dim, d0, acc);
@@ -227,9 +263,9 @@ void attend_tile(const Query<S>* q, float* acc, float* run_max, float* run_sum, 
 
 // attend_tile for the 1 to kMaxGroup query heads of a (part of a) GQA group.
 template <class S, class C>
-void attend_group(int group, const Query<S>* q, float* acc, float* run_max, float* run_sum, const C* k,
-                  const C* v, int64_t stride, int len, int64_t dim, float scale, Scratch<S>& s, const C* ahead_k,
-                  const C* ahead_v) {
+void attend_group(int group, const Query<S>* q, float* acc, float* run_max, float* run_sum, const Elem<C>* k,
+                  const Elem<C>* v, int64_t stride, int len, int64_t dim, float scale, Scratch<S>& s,
+                  const Elem<C>* ahead_k, const Elem<C>* ahead_v) {
   switch (group) {
 #define PAGEDSERVE_GROUP(G) \
   case G: return attend_tile<S, C, G>(q, acc, run_max, run_sum, k, v, stride, len, dim, scale, s, ahead_k, ahead_v);

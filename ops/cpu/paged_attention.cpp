@@ -1,6 +1,10 @@
 // Decode rows of pagedserve::paged_attention (one new token per row) against the paged K/V cache, for K/V
-// stored as fp32, bf16 or fp16: each K/V vector is widened to fp32 in registers as it is read, and the
-// softmax and accumulators stay in fp32.
+// stored as fp32, bf16 or fp16, or as q8_0 / q4_0 rows (kv_quant.h): each K/V vector is widened (or
+// dequantized: int8 widened, times its block's scale) to fp32 in registers as it is read, and the softmax and
+// accumulators stay in fp32. Quantized K is stored rotated (a 32-point Hadamard transform per block), so the
+// queries are rotated the same way as they are staged; V is not rotated, so outputs need nothing. bf16
+// queries against a bf16 or a quantized cache use the bf16 dot products where the CPU has them (simd.h's
+// Avx512Bf16; quantized values are rounded to bf16 as they are dequantized).
 //
 // Flash-decoding: the context blocks of all decode rows, laid end to end, are cut into one equal share per
 // thread, so a single long row keeps every core busy and ragged rows balance. A share keeps a running max,
@@ -24,6 +28,7 @@
 namespace {
 
 using namespace pagedserve_cpu::attention;
+namespace kv_quant = pagedserve_cpu::kv_quant;
 
 constexpr int64_t kMinShare = 256;  // positions below which a share is not worth a thread of its own
 constexpr int64_t kAhead = 2;       // blocks between the one being read and the one being prefetched
@@ -46,8 +51,8 @@ template <class S, class C>
 struct Decode {
   const void* q;         // [T, Hq, D], fp32 (bf16 for the dot-product set)
   float* out;            // [T, Hq, D] fp32
-  const C* k_cache;
-  const C* v_cache;
+  const Elem<C>* k_cache;
+  const Elem<C>* v_cache;
   Cache cache;
   const int32_t* starts;
   const int32_t* lens;
@@ -62,6 +67,14 @@ struct Decode {
     qs.resize(n);
     for (int64_t h = 0; h < q_heads; ++h)
       for (int64_t d = 0; d < dim; ++d) qs[h * dim + (kDotBf16<S> ? d : lane<S, C>(d))] = src[h * dim + d];
+    if constexpr (kQuant<C>) {    // like K, block by block (lanes are in order for quantized rows)
+      float x[kv_quant::kBlock];
+      for (int64_t at = 0; at < n; at += kv_quant::kBlock) {
+        for (int i = 0; i < kv_quant::kBlock; ++i) x[i] = static_cast<float>(qs[at + i]);
+        kv_quant::rotate_block(x);
+        for (int i = 0; i < kv_quant::kBlock; ++i) qs[at + i] = static_cast<Query<S>>(x[i]);
+      }
+    }
   }
 
   // Blocks [first, last) of `row` into `st` (already reset).
@@ -178,46 +191,58 @@ struct Decode {
 
 template <class C>
 void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const int32_t* starts, const int32_t* lens, const at::Tensor& tables, double scale, int64_t shares) {
+            const int32_t* starts, const int32_t* lens, const at::Tensor& tables, double scale, int64_t shares,
+            int64_t lanes) {
   const Cache cache{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.size(0), k_cache.size(1),
-                    k_cache.size(3)};
+                    q.size(2)};
   auto run = [&](auto isa, const at::Tensor& queries) {
     using S = decltype(isa);
-    const Decode<S, C> job{queries.data_ptr(), out.data_ptr<float>(), static_cast<const C*>(k_cache.data_ptr()),
-                           static_cast<const C*>(v_cache.data_ptr()), cache, starts, lens,
+    const Decode<S, C> job{queries.data_ptr(), out.data_ptr<float>(),
+                           static_cast<const Elem<C>*>(k_cache.data_ptr()),
+                           static_cast<const Elem<C>*>(v_cache.data_ptr()), cache, starts, lens,
                            tables.data_ptr<int32_t>(), tables.size(1), q.size(1), k_cache.size(2),
                            static_cast<float>(scale)};
     job(tables.size(0), shares);
   };
-  // the widest vectors whose pairs divide head_dim (model head_dims are multiples of 32)
+  // the widest vectors (of at most `lanes`, if > 0) whose pairs divide head_dim (model head_dims are
+  // multiples of 32; so are quantized rows', so every set reads whole pieces of one block)
+  const auto fits = [&](int width) { return cache.dim % (2 * width) == 0 && (lanes <= 0 || width <= lanes); };
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<C, c10::BFloat16>)
-    if (q.scalar_type() == at::kBFloat16 && cache.dim % (2 * Avx512::W) == 0) return run(Avx512Bf16{}, q);
+  if constexpr (std::is_same_v<C, c10::BFloat16> || kQuant<C>)
+    if (q.scalar_type() == at::kBFloat16 && fits(Avx512::W)) return run(Avx512Bf16{}, q);
 #endif
   const auto qf = q.to(at::kFloat);
 #ifdef PAGEDSERVE_AVX512
-  if (cache.dim % (2 * Avx512::W) == 0) return run(Avx512{}, qf);
+  if (fits(Avx512::W)) return run(Avx512{}, qf);
 #endif
 #ifdef PAGEDSERVE_AVX2
-  if (cache.dim % (2 * Avx2::W) == 0) return run(Avx2{}, qf);
+  if (fits(Avx2::W)) return run(Avx2{}, qf);
 #endif
   run(Scalar{}, qf);
 }
 
 // Output like q, zero except the rows with exactly one new token (decode rows), which get their attention.
 // q: [T, Hq, D] fp32 or bf16, contiguous; caches [NB, BS, Hk, D] fp32, bf16 or fp16 with unit stride in D,
-// D even; lengths already validated. `shares` > 0 cuts the work into that many pieces (tests force cuts
-// on small inputs).
+// D even, or uint8 [NB, BS, Hk, row bytes] of q8_0 / q4_0 rows (D a multiple of 32; the row bytes say
+// which; K stored rotated); lengths already validated. `shares` > 0 cuts the work into that many pieces
+// (tests force cuts on small inputs); `lanes` > 0 caps the vector width (tests run the narrower sets).
 at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                                  const at::Tensor& block_tables, double scale, int64_t shares) {
+                                  const at::Tensor& block_tables, double scale, int64_t shares, int64_t lanes) {
+  const int64_t dim = q.size(2);
+  const bool quantized = k_cache.scalar_type() == at::kByte;
+  const int64_t q8_bytes = dim / kv_quant::kBlock * kv_quant::Q8_0::kBlockBytes;
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides() &&
-                  v_cache.scalar_type() == k_cache.scalar_type() && k_cache.size(3) % 2 == 0,
+                  v_cache.scalar_type() == k_cache.scalar_type() && dim % 2 == 0,
               "pagedserve_cpu::paged_attention_decode: the caches must share dtype and strides, with unit "
               "stride in an even head_dim");
-  TORCH_CHECK(q.is_contiguous() && q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3),
+  TORCH_CHECK(q.is_contiguous() && q.size(1) % k_cache.size(2) == 0 &&
+                  (quantized ? dim % kv_quant::kBlock == 0 &&
+                                   (k_cache.size(3) == q8_bytes ||
+                                    k_cache.size(3) == dim / kv_quant::kBlock * kv_quant::Q4_0::kBlockBytes)
+                             : dim == k_cache.size(3)),
               "pagedserve_cpu::paged_attention_decode: q must be contiguous, its heads a multiple of the "
-              "cache's kv heads, with the same head_dim");
+              "cache's kv heads, with the cache's head_dim (a multiple of 32 in q8_0 or q4_0 rows)");
   auto out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   const auto qsl = query_start_loc.contiguous();
   const auto ctx = context_lens.contiguous();
@@ -225,12 +250,20 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
   const int32_t* starts = qsl.data_ptr<int32_t>();
   const int32_t* lens = ctx.data_ptr<int32_t>();
   switch (k_cache.scalar_type()) {
-    case at::kFloat: decode<float>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares); break;
-    case at::kBFloat16: decode<c10::BFloat16>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares); break;
-    case at::kHalf: decode<c10::Half>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares); break;
+    case at::kFloat: decode<float>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares, lanes); break;
+    case at::kBFloat16:
+      decode<c10::BFloat16>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares, lanes);
+      break;
+    case at::kHalf: decode<c10::Half>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares, lanes); break;
+    case at::kByte:
+      if (k_cache.size(3) == q8_bytes)
+        decode<kv_quant::Q8_0>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares, lanes);
+      else
+        decode<kv_quant::Q4_0>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares, lanes);
+      break;
     default:
       TORCH_CHECK(false, "pagedserve_cpu::paged_attention_decode: K/V cache dtype ", k_cache.scalar_type(),
-                  " has no kernel; allowed: float32, bfloat16, float16");
+                  " has no kernel; allowed: float32, bfloat16, float16, uint8 (q8_0, q4_0)");
   }
   return out.to(q.scalar_type());
 }
@@ -239,6 +272,6 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
-        "Tensor context_lens, Tensor block_tables, float scale, int shares=0) -> Tensor",
+        "Tensor context_lens, Tensor block_tables, float scale, int shares=0, int lanes=0) -> Tensor",
         &paged_attention_decode);
 }

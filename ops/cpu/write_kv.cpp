@@ -1,13 +1,20 @@
 // pagedserve::write_kv: copy each token's K and V rows into its cache slot, converted to the cache's storage
 // dtype (a memcpy per (token, head) when the dtypes match; else through fp32, rounding to nearest even as
-// Tensor.to does, so the torch body and this kernel store the same bits).
+// Tensor.to does, so the torch body and this kernel store the same bits). A uint8 cache of q8_0 / q4_0 rows
+// gets each row quantized block by block, K rotated first (kv_quant.h), again the torch body's bytes.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cstring>
 #include <type_traits>
 
+#include "kv_quant.h"
+
 namespace {
+
+using pagedserve_cpu::kv_quant::kBlock;
+using pagedserve_cpu::kv_quant::Q4_0;
+using pagedserve_cpu::kv_quant::Q8_0;
 
 template <typename Src, typename Dst>
 void copy_row(const Src* src, Dst* dst, int64_t n) {
@@ -32,23 +39,57 @@ void write_rows(const at::Tensor& cache, const at::Tensor& rows, const int64_t* 
   }
 }
 
+// Rows of `rows` ([T, Hk, D]) quantized into the byte rows of a uint8 cache, rotated first for K.
+template <typename Src, class F>
+void quantize_rows(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens,
+                   bool rotate) {
+  const int64_t heads = rows.size(1), dim = rows.size(2), block_size = cache.size(1);
+  auto* dst = cache.data_ptr<uint8_t>();
+  const auto* src = static_cast<const Src*>(rows.data_ptr());
+  float x[kBlock];
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slot[t] < 0) continue;
+    const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+    for (int64_t h = 0; h < heads; ++h) {
+      const Src* in = src + (t * heads + h) * dim;
+      uint8_t* out = dst + block * cache.stride(0) + offset * cache.stride(1) + h * cache.stride(2);
+      for (int64_t b = 0; b < dim / kBlock; ++b) {
+        for (int i = 0; i < kBlock; ++i) x[i] = static_cast<float>(in[b * kBlock + i]);
+        if (rotate) pagedserve_cpu::kv_quant::rotate_block(x);
+        pagedserve_cpu::kv_quant::quantize_block<F>(x, out + b * F::kBlockBytes);
+      }
+    }
+  }
+}
+
 template <typename Src>
-void write_from(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens) {
+void write_from(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens,
+                bool rotate) {
+  if (cache.scalar_type() == at::kByte) {
+    const int64_t dim = rows.size(2);
+    TORCH_CHECK(dim % kBlock == 0, "pagedserve_cpu::write_kv: quantized rows need head_dim a multiple of ",
+                kBlock);
+    if (cache.size(3) == dim / kBlock * Q8_0::kBlockBytes)
+      return quantize_rows<Src, Q8_0>(cache, rows, slot, tokens, rotate);
+    TORCH_CHECK(cache.size(3) == dim / kBlock * Q4_0::kBlockBytes, "pagedserve_cpu::write_kv: a uint8 cache "
+                "needs rows of q8_0 or q4_0 bytes for head_dim ", dim, ", got ", cache.size(3));
+    return quantize_rows<Src, Q4_0>(cache, rows, slot, tokens, rotate);
+  }
   switch (cache.scalar_type()) {
     case at::kFloat: return write_rows<Src, float>(cache, rows, slot, tokens);
     case at::kBFloat16: return write_rows<Src, c10::BFloat16>(cache, rows, slot, tokens);
     case at::kHalf: return write_rows<Src, c10::Half>(cache, rows, slot, tokens);
     default:
       TORCH_CHECK(false, "pagedserve_cpu::write_kv: cache dtype ", cache.scalar_type(),
-                  " has no kernel; allowed: float32, bfloat16, float16");
+                  " has no kernel; allowed: float32, bfloat16, float16, uint8 (q8_0, q4_0)");
   }
 }
 
-void write(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens) {
+void write(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens, bool rotate) {
   switch (rows.scalar_type()) {
-    case at::kFloat: return write_from<float>(cache, rows, slot, tokens);
-    case at::kBFloat16: return write_from<c10::BFloat16>(cache, rows, slot, tokens);
-    case at::kHalf: return write_from<c10::Half>(cache, rows, slot, tokens);
+    case at::kFloat: return write_from<float>(cache, rows, slot, tokens, rotate);
+    case at::kBFloat16: return write_from<c10::BFloat16>(cache, rows, slot, tokens, rotate);
+    case at::kHalf: return write_from<c10::Half>(cache, rows, slot, tokens, rotate);
     default:
       TORCH_CHECK(false, "pagedserve_cpu::write_kv: k/v dtype ", rows.scalar_type(),
                   " has no kernel; allowed: float32, bfloat16, float16");
@@ -67,8 +108,8 @@ int64_t write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
   for (int64_t t = 0; t < tokens; ++t) {
     if (slot[t] >= num_slots) return slot[t];
   }
-  write(k_cache, k.contiguous(), slot, tokens);
-  write(v_cache, v.contiguous(), slot, tokens);
+  write(k_cache, k.contiguous(), slot, tokens, true);     // (rotation: quantized K only)
+  write(v_cache, v.contiguous(), slot, tokens, false);
   return -1;
 }
 

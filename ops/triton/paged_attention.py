@@ -3,7 +3,9 @@
 A program owns one tile of up to BLOCK_Q query tokens of one row and one K/V head; the GQA query heads of
 that K/V head ride along as extra rows of the tile (M = BLOCK_Q x GROUP_PAD), so every K/V page is loaded
 once per tile. The program walks the row's block table page by page with an online softmax in fp32.
-K/V may be stored in a narrower dtype than q: they are converted to q's dtype as they are loaded.
+K/V may be stored in a narrower dtype than q: they are converted to q's dtype as they are loaded; or as
+q8_0 / q4_0 rows (ops/kv_quant.py), dequantized as they are loaded. Quantized K is stored Hadamard-rotated
+per 32-value block, so the launcher rotates q the same way first.
 Long decode contexts use the split-K variant: each split walks a slice of the pages and writes its partial
 (acc, max, sum) to fp32 scratch; a second kernel merges the splits. Nothing here reads tensors on the host,
 so the launch is CUDA-graph safe and traceable by inductor.
@@ -15,7 +17,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ops import kv_quant
 from ops.triton._launch import fp32_dot, launchable, mma, pow2, row_of_tile
+from ops.triton.kv_quant import FORMAT_CODES, load_values
 
 _MIN_DOT = 16             # tl.dot needs every dimension >= 16 on GPUs
 _PREFILL_BLOCK_Q = 16
@@ -30,7 +34,8 @@ def _paged_attention_kernel(
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-        D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr):
+        D_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, F32_DOT: tl.constexpr,
+        FORMAT: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -65,11 +70,11 @@ def _paged_attention_kernel(
     s = tl.arange(0, PAGE)
     for page in range(page_lo, page_hi):
         block = tl.load(bt_ptr + row * stride_bt + page).to(tl.int64)
-        # a cache stored narrower than q (kv_cache_dtype) is widened as it is read
-        k = tl.load(k_ptr + block * stride_kb + s[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=d_ok[None, :], other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + block * stride_vb + s[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                    mask=d_ok[None, :], other=0.0).to(q.dtype)
+        # a cache stored narrower than q (kv_cache_dtype) is widened as it is read, a quantized one dequantized
+        k = load_values(k_ptr, block * stride_kb + s[:, None] * stride_ks + kv_head * stride_kh, d[None, :],
+                        d_ok[None, :], FORMAT).to(q.dtype)
+        v = load_values(v_ptr, block * stride_vb + s[:, None] * stride_vs + kv_head * stride_vh, d[None, :],
+                        d_ok[None, :], FORMAT).to(q.dtype)
         scores = mma(q, tl.trans(k), F32_DOT) * scale
         k_pos = page * PAGE + s
         scores = tl.where(k_pos[None, :] <= q_pos[:, None], scores, float("-inf"))
@@ -133,6 +138,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc
     """Same contract as `pagedserve::paged_attention`. `block_q` (query tokens per tile) and `num_splits`
     (split-K; a power of two) only change speed: by default 1 token per tile when no row can hold more than
     one token on average (decode steps), 16 otherwise, and split-K from `default_num_splits`."""
+    fmt = kv_quant.format_of(k_cache, q.shape[-1])
+    if fmt:
+        q = kv_quant.rotate(q).to(q.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
     num_tokens, q_heads, head_dim = q.shape
@@ -160,7 +168,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page,
-        NUM_SPLITS=num_splits, F32_DOT=fp32_dot(q.dtype))
+        NUM_SPLITS=num_splits, F32_DOT=fp32_dot(q.dtype), FORMAT=FORMAT_CODES[fmt])
     if num_splits > 1:
         launchable(_merge_splits_kernel)[(num_tokens,)](
             out, acc, ml, query_start_loc, num_rows, num_tokens, out.stride(0), out.stride(1),

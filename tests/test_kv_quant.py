@@ -1,0 +1,177 @@
+"""Block-quantized K/V (kv_cache_dtype q8_0 / q4_0, ops/kv_quant.py): the rotation, the rounding and llama.cpp's
+block layouts; write_kv storing the same bytes from the torch body, the C++ kernel and (tests/
+test_triton_kernels.py) Triton; paged_attention against a float64 reference on the dequantized K/V with K
+rotated back (so the rotation of q is checked too), on every instruction set of the C++ decode kernel
+(`lanes` caps the vector width), GQA groups of 1, 2 and 7 heads, page boundaries, ragged rows, prefill rows
+after a cached prefix and long rows cut into shares; the typed errors; the pool's sizes."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from test_kv_cache_dtype import RAGGED, _batch, _decode_reference, empty_cache, tol
+
+import ops
+import ops.cpu
+from engine.kv.pool import KVCacheDtypeError, KVPool, KVShape, resolve_kv_cache_dtype
+from ops import kv_quant
+from ops.paged_attention import reference_paged_attention
+from ops.write_kv import reference_write_kv, torch_write_kv
+
+pagedserve = torch.ops.pagedserve
+FORMATS = list(kv_quant.FORMATS)
+CPU = torch.device("cpu")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _hadamard() -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < 32:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / 32 ** 0.5
+
+
+def _blocks(seed: int = 0) -> torch.Tensor:
+    """Rows of 4 blocks at very different scales (all with normal fp16 scales), an outlier, a zero block."""
+    x = torch.randn(64, 128, generator=_gen(seed)) * torch.tensor([1.0, 300.0, 0.05, 5.0]).repeat_interleave(32)
+    x[3, 40] = 4000.0
+    x[5, :32] = 0.0
+    return x
+
+
+def _scales(rows: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Each block's stored fp16 scale, [..., blocks, 1] in fp32."""
+    blocks = rows.view(*rows.shape[:-1], -1, kv_quant.BLOCK_BYTES[fmt])
+    return blocks[..., :2].contiguous().view(torch.float16).float()
+
+
+def test_the_rotation_is_the_orthonormal_block_hadamard_transform_and_its_own_inverse():
+    x = torch.randn(3, 5, 96, generator=_gen(1), dtype=torch.float64)
+    want = (x.view(3, 5, 3, 32) @ _hadamard()).view(3, 5, 96)
+    torch.testing.assert_close(kv_quant.rotate(x), want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(kv_quant.rotate(kv_quant.rotate(x)), x, atol=1e-12, rtol=0)
+    x32 = x.float()
+    assert kv_quant.rotate(x32).dtype == torch.float32
+    torch.testing.assert_close(kv_quant.rotate(kv_quant.rotate(x32)), x32, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_blocks_are_within_half_a_step(fmt):
+    """q8_0: |x - deq(q(x))| <= d/2 everywhere; q4_0: the same, except that the top step (+8d, the side
+    opposite the largest magnitude) is clipped to +7d, so values past 7.5d are within d (and the fp16
+    rounding of d)."""
+    x = _blocks()
+    rows = kv_quant.quantize(x, fmt)
+    assert rows.dtype == torch.uint8 and rows.shape == (64, kv_quant.row_bytes(fmt, 128))
+    d = _scales(rows, fmt)
+    x = x.view(64, 4, 32)
+    err = (kv_quant.dequantize(rows, fmt).view(64, 4, 32) - x).abs()
+    slack = 1e-6 * x.abs().amax(-1, keepdim=True)                     # the fp32 product x * (1 / d)
+    bound = d.abs() / 2 + slack
+    if fmt == "q4_0":
+        bound = torch.where(x / d.where(d != 0, 1) > 7.5, 1.01 * d.abs() + slack, bound)
+    assert (err <= bound).all()
+    assert not kv_quant.dequantize(rows, fmt).view(64, 4, 32)[5, 0].any()      # zeros stay zeros
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_bytes_are_llama_cpps_block_layouts(fmt):
+    """The gguf package (llama.cpp's reference in numpy) reads our rows as we do, and quantizes to the
+    same bytes but where its unrounded scale's reciprocal (and q8_0's ties away from zero) differ by a step."""
+    x = _blocks(2)
+    rows = kv_quant.quantize(x, fmt)
+    kind = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    theirs = gguf.quants.dequantize(rows.numpy(), kind)
+    np.testing.assert_array_equal(theirs, kv_quant.dequantize(rows, fmt).numpy())
+    their_rows = torch.from_numpy(gguf.quants.quantize(x.numpy(), kind))
+    assert (their_rows == rows).float().mean() > 0.97
+    step = _scales(rows, fmt).abs()
+    gap = (kv_quant.dequantize(their_rows, fmt) - kv_quant.dequantize(rows, fmt)).view(64, 4, 32).abs()
+    assert (gap <= step * 1.01).all()
+
+
+@pytest.mark.usefixtures("cpp_kernels")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_and_torch_write_kv_store_the_same_bytes(fmt, src_dtype):
+    """Into strided caches (2 of 4 heads), padding slots skipped, both sides of a page boundary, a zero row
+    and a block that is all zeros but one -0.0 (the scale's sign must agree too)."""
+    g = _gen(5)
+    row = kv_quant.row_bytes(fmt, 64)
+    k_cache = torch.zeros(4, 16, 4, row, dtype=torch.uint8)[:, :, 1:3]
+    v_cache = torch.zeros(4, 16, 4, row, dtype=torch.uint8)[:, :, 1:3]
+    k = (torch.randn(6, 2, 64, generator=g) * 30).to(src_dtype)
+    v = torch.randn(6, 2, 64, generator=g).to(src_dtype)
+    k[2], v[2, :, :32] = 0.0, 0.0
+    k[3, 0, :32], k[3, 0, 0] = 0.0, -0.0
+    slots = torch.tensor([63, -1, 0, 16, 17, 15])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    torch_write_kv(want_k, want_v, k, v, slots)
+    pagedserve.write_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    ref_k, ref_v = k_cache.clone().zero_(), v_cache.clone().zero_()
+    reference_write_kv(ref_k, ref_v, k, v, slots)
+    assert torch.equal(ref_k, want_k) and torch.equal(ref_v, want_v)
+    # stored rotated: rotating back gives k within the (rotated) rounding error of sqrt(32) * d / 2
+    torch.testing.assert_close(kv_quant.rotate(kv_quant.dequantize(k_cache[3, 15], fmt)), k[0].float(),
+                               atol=3 * _scales(k_cache[3, 15], fmt).abs().max().item(), rtol=0)
+
+
+@pytest.mark.usefixtures("cpp_kernels")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group, head_dim", [(1, 128), (2, 64), (7, 64), (6, 128)])
+@pytest.mark.parametrize("lanes", [0, 8, 1])   # the widest set (AVX-512 here; bf16 dots for bf16 q), AVX2, scalar
+def test_decode_rows_on_every_instruction_set(fmt, q_dtype, group, head_dim, lanes):
+    q, kc, vc, qsl, ctx, tables = _batch(RAGGED, group, head_dim, q_dtype, fmt, seed=group + head_dim)
+    scale = head_dim ** -0.5
+    got = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, scale, 0, lanes)
+    decode = [int(qsl[i]) for i, (_, n) in enumerate(RAGGED) if n == 1]
+    torch.testing.assert_close(got[decode].double(), _decode_reference(q, kc, vc, qsl, ctx, tables, scale)[decode],
+                               **tol(q_dtype, fmt))
+
+
+@pytest.mark.usefixtures("cpp_kernels")
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 7])
+def test_the_op_with_decode_and_prefill_rows(backend, fmt, q_dtype, group):
+    """Decode rows and prefill rows (a fresh prompt, a chunk after a cached prefix) in one call, through
+    the C++ kernel plus SDPA and through the torch body alone."""
+    q, kc, vc, qsl, ctx, tables = _batch(RAGGED, group, 64, q_dtype, fmt, seed=group)
+    ops.cpu.use_backend(backend)
+    got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
+    assert got.dtype == q_dtype
+    torch.testing.assert_close(got, reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125), **tol(q_dtype, fmt))
+    assert not got[int(qsl[-1]):].any()
+
+
+def test_quantized_caches_are_refused_with_the_fix():
+    q = torch.randn(1, 4, 48)
+    kc, vc = (torch.zeros(2, 16, 2, 27, dtype=torch.uint8) for _ in range(2))
+    args = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+            torch.zeros(1, 1, dtype=torch.int32), 0.1)
+    with pytest.raises(ops.OpInputError, match="needs head_dim a multiple of 32, got 48"):
+        pagedserve.paged_attention(q, kc, vc, *args)
+    kc, vc = empty_cache(2, 16, 2, 64, "q8_0")
+    with pytest.raises(ops.OpInputError, match=r"34 bytes \(q8_0\) or 18 bytes \(q4_0\) for head_dim 32, got 68"):
+        pagedserve.write_kv(kc, vc, torch.randn(1, 2, 32), torch.randn(1, 2, 32), torch.tensor([0]))
+
+
+def test_the_pool_stores_quantized_rows_and_holds_more_tokens():
+    bf16 = KVShape(num_layers=28, kv_heads=2, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    q8, q4 = (KVShape(28, 2, 128, 16, resolve_kv_cache_dtype(n, CPU, torch.float32)) for n in FORMATS)
+    assert (q8.dtype, q4.dtype) == ("q8_0", "q4_0")
+    assert bf16.bytes_per_block / q8.bytes_per_block == 256 / 136          # ~1.9x the tokens
+    assert bf16.bytes_per_block / q4.bytes_per_block == 256 / 72           # ~3.6x
+    pool = KVPool(KVShape(2, 2, 64, 16, "q4_0"), 3, CPU)
+    assert all(t.dtype == torch.uint8 and t.shape == (3, 16, 2, 36) for layer in pool.layers for t in layer)
+    assert pool.nbytes == 2 * 2 * 3 * 16 * 2 * 36
+    with pytest.raises(KVCacheDtypeError, match="kv_cache_dtype q4_0 needs head_dim a multiple of 32; this model "
+                                                "has 48"):
+        KVShape(2, 2, 48, 16, "q4_0")
