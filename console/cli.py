@@ -26,7 +26,8 @@ from engine.grammar import Grammar
 from engine.request import SamplingParams
 
 COMMON_ENGINE_FLAGS = ("model", "dtype", "quantization", "device", "max_concurrency", "kv_pool_tokens",
-                       "block_size", "max_model_len", "compile", "threads", "kv_cache_dtype")
+                       "block_size", "max_model_len", "compile", "threads", "kv_cache_dtype", "speculative",
+                       "draft_model")
 
 
 class _Group(click.Group):

@@ -9,6 +9,7 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.draft import DraftModel, check_draft
 from engine.grammar import GrammarCompiler
 from engine.kv.pool import (KVPool, KVShape, StatePool, plan_num_blocks, plan_num_state_slots,
                             resolve_kv_cache_dtype)
@@ -21,7 +22,7 @@ from engine.models.decoder import DecoderModel, build_decoder
 from engine.ngram import NgramProposer
 from engine.runner import ModelRunner, PrefillBudget
 from engine.scheduler import Scheduler
-from engine.speculation import Speculator
+from engine.speculation import DraftProposer, Speculator
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -69,13 +70,39 @@ def resolve_max_model_len(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     return cfg.max_model_len or limit
 
 
-def build_speculator(cfg: EngineConfig, recurrent: bool) -> Speculator | None:
+def build_speculator(cfg: EngineConfig) -> Speculator | None:
     if cfg.speculative == "none":
         return None
-    if recurrent:   # a rejected proposal would leave its tokens in the recurrent state
-        raise ConfigError([f'speculative = "{cfg.speculative}" does not support hybrid models (Qwen3.5, '
-                           'Qwen3-Next) yet: their recurrent state cannot roll back; use "none"'])
-    return Speculator(NgramProposer(cfg.ngram_min, cfg.ngram_max), cfg.num_speculative_tokens)
+    proposer = DraftProposer() if cfg.speculative == "draft" else NgramProposer(cfg.ngram_min, cfg.ngram_max)
+    return Speculator(proposer, cfg.num_speculative_tokens)
+
+
+def _open(name: str, dtype: torch.dtype, quantization: str, progress):
+    """A model's path, open checkpoint (the caller closes it) and parsed config."""
+    from engine.loading.resolve import resolve_model
+
+    path = resolve_model(name, dtype=str(dtype).removeprefix("torch."), progress=progress,
+                         keep_quantized=quantization != "none")
+    ckpt = open_checkpoint(path)
+    return path, ckpt, parse_model_config(ckpt.config, source=os.path.join(str(path), "config.json"))
+
+
+def build_draft(cfg: EngineConfig, target: DecoderModel, dtype: torch.dtype, device: torch.device,
+                quantization: str, max_len: int, progress) -> DecoderModel | None:
+    """The draft model of speculative = "draft", loaded like the target; refused (ConfigError) when it
+    cannot propose for the target."""
+    if cfg.speculative != "draft":
+        return None
+    _, ckpt, model_cfg = _open(cfg.draft_model, dtype, quantization, progress)
+    try:
+        draft = build_decoder(model_cfg, ckpt, dtype, device,
+                              LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))
+    finally:
+        ckpt.close()
+    problems = check_draft(draft, target, max_len)
+    if problems:
+        raise ConfigError([f"draft_model = {cfg.draft_model!r}: {p}" for p in problems])
+    return draft
 
 
 @dataclass
@@ -94,6 +121,7 @@ class Engine:
     max_model_len: int
     state_pool: StatePool | None = None
     sampling_defaults: dict = field(default_factory=dict)   # from generation_config.json
+    draft: DraftModel | None = None         # speculative = "draft"
 
     @property
     def weights(self) -> str:
@@ -125,46 +153,55 @@ def build_engine(cfg: EngineConfig, progress=None) -> Engine:
 
 
 def _build(cfg: EngineConfig, progress) -> Engine:
-    from engine.loading.resolve import resolve_model
-
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     quantization = resolve_quantization(cfg, device)
-    path = resolve_model(cfg.model, dtype=str(dtype).removeprefix("torch."), progress=progress,
-                         keep_quantized=quantization != "none")
-    ckpt = open_checkpoint(path)
-    model_cfg = parse_model_config(ckpt.config, source=os.path.join(str(path), "config.json"))
+    path, ckpt, model_cfg = _open(cfg.model, dtype, quantization, progress)
     eos = tuple(dict.fromkeys(ckpt.generation_eos_ids() + model_cfg.eos_token_ids))
     sampling_defaults = ckpt.sampling_defaults()
     tokenizer = load_tokenizer(path)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
         eos += (tokenizer.eos_token_id,)
     max_len = resolve_max_model_len(cfg, model_cfg)
-    speculator = build_speculator(cfg, bool(model_cfg.linear_layers))     # refused before the weights load
+    speculator = build_speculator(cfg)
     model = build_decoder(model_cfg, ckpt, dtype, device,
                           LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))
-    kv_layers, state_shape = model.num_kv_layers, model.state_shape
+    state_shape = model.state_shape
     ckpt.close()
+    draft = build_draft(cfg, model, dtype, device, quantization, max_len, progress)
     num_slots = plan_num_state_slots(cfg.max_concurrency, cfg.state_spare_slots) if state_shape else 0
     kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, device, dtype)
-    shape = KVShape(kv_layers, model_cfg.num_kv_heads, model_cfg.head_dim, cfg.block_size, kv_dtype)
+
+    def kv_shape(m: DecoderModel) -> KVShape:
+        return KVShape(m.num_kv_layers, m.cfg.num_kv_heads, m.cfg.head_dim, cfg.block_size, kv_dtype)
+
+    shape, draft_shape = kv_shape(model), (kv_shape(draft) if draft else None)
+    # a hybrid draft: a recurrent-state slot per row of the batch and as many scratch slots (engine/draft.py)
+    draft_states = draft.state_shape if draft else None
+    draft_slots = 2 * cfg.max_concurrency if draft_states else 0
     blocks = plan_num_blocks(shape, kv_pool_tokens=cfg.kv_pool_tokens,
                              max_concurrency=cfg.max_concurrency, max_model_len=max_len,
-                             device=device,
-                             state_bytes=state_shape.bytes_per_slot * num_slots if state_shape else 0)
+                             device=device, draft=draft_shape,
+                             state_bytes=sum(s.bytes_per_slot * n for s, n in ((state_shape, num_slots),
+                                                                              (draft_states, draft_slots)) if s))
     pool = KVPool(shape, blocks, device)
+    budget = PrefillBudget.for_device(device, dtype)
+    # the draft catches up on a backlog in chunks of an idle step's prefill
+    draft_model = None if draft is None else DraftModel(
+        draft, KVPool(draft_shape, blocks, device), budget.idle_total,
+        StatePool(draft_states, draft_slots, device) if draft_states else None)
     state_pool = StatePool(state_shape, num_slots, device) if state_shape else None
     # MoE layers pick their experts on the host (ops/moe.py's torch body reads the counts), so their steps
     # can be neither captured in a CUDA graph nor traced as one graph
     whole_graph = device.type == "cuda" and not model_cfg.num_experts
     runner = ModelRunner(model, pool, max_rows=cfg.max_concurrency, max_model_len=max_len,
-                         budget=PrefillBudget.for_device(device, dtype), state_pool=state_pool,
+                         budget=budget, state_pool=state_pool,
                          compile=cfg.compile, fullgraph=whole_graph,
-                         graphs=DecodeGraphs if whole_graph and cfg.cuda_graphs else None)
+                         graphs=DecodeGraphs if whole_graph and cfg.cuda_graphs else None, draft=draft_model)
     scheduler = Scheduler(runner, max_waiting=cfg.max_waiting, prefix_cache=cfg.prefix_cache,
                           speculator=speculator)
     loop = EngineLoop(scheduler, tokenizer, eos, max_lag_tokens=cfg.client_max_lag_tokens,
                       timeout_s=cfg.client_timeout_s,
                       grammars=GrammarCompiler(tokenizer.to_json(), model_cfg.vocab_size, eos))
     return Engine(cfg, model_cfg, str(path), tokenizer, model, pool, runner, scheduler, loop,
-                  dtype, device, max_len, state_pool, sampling_defaults)
+                  dtype, device, max_len, state_pool, sampling_defaults, draft_model)

@@ -25,7 +25,8 @@ class EngineInfo:
     block_size: int
     num_blocks: int
     kv_pool_tokens: int
-    kv_pool_bytes: int      # committed as blocks are first written, not at start
+    kv_pool_bytes: int      # committed as blocks are first written, not at start; with a draft
+                            # model's K/V under the same blocks
     kv_cache_dtype: str     # what the K/V cache stores, e.g. "bfloat16" (config kv_cache_dtype resolved)
     num_state_slots: int
     vocab_size: int         # token ids run from 0 to vocab_size - 1
@@ -101,7 +102,7 @@ class EngineClient:
             weights=e.weights, device=str(e.device), max_model_len=e.max_model_len,
             max_concurrency=e.config.max_concurrency, block_size=e.pool.shape.block_size,
             num_blocks=e.pool.num_blocks, kv_pool_tokens=e.pool.num_blocks * e.pool.shape.block_size,
-            kv_pool_bytes=e.pool.nbytes,
+            kv_pool_bytes=e.pool.nbytes + (e.draft.pool.nbytes if e.draft else 0),
             kv_cache_dtype=str(e.pool.shape.dtype).removeprefix("torch."),
             num_state_slots=e.state_pool.num_slots if e.state_pool is not None else 0,
             vocab_size=e.model_config.vocab_size, sampling_defaults=dict(e.sampling_defaults))

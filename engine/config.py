@@ -63,44 +63,45 @@ class EngineConfig:
                          "weights and activations dtype; auto = bfloat16 on GPUs and on CPUs with fast bf16 (AVX-512 BF16, AMX), else float32")
     quantization: str = _choice("auto", ("auto", "none", "int8", "int4"),
                                 "linear-layer weights on CPU; auto = as stored (a GGUF stays quantized), none = widen to dtype, int8/int4 = quantize at load")
-    quant_group_size: int = _key(32, "a multiple of 32 between 32 and 4096", lambda v: 32 <= v <= 4096 and v % 32 == 0,
-                                 "values per scale when quantization = int8/int4 quantizes a dense checkpoint at load")
+    quant_group_size: int = _key(32, "a multiple of 32 between 32 and 4096", lambda v: 32 <= v <= 4096 and v % 32 == 0, "values per scale when quantization = int8/int4 quantizes a dense checkpoint at load")
     device: str = _choice("auto", ("auto", "cpu", "cuda"), "where to run; auto = cuda when a GPU is visible, else cpu")
-    max_concurrency: int = _key(8, "an integer >= 1", lambda v: v >= 1,
-                                "most requests decoded at once (rows per step)")
+    max_concurrency: int = _key(8, "an integer >= 1", lambda v: v >= 1, "most requests decoded at once (rows per step)")
     kv_pool_tokens: int = _key(0, "an integer >= 0 (0 = sized for max_concurrency)", lambda v: v >= 0,
                                "K/V cache size in tokens, all requests together; 0 = on CPUs max_concurrency "
                                "sequences of up to 8,192 tokens within half the free memory, on GPUs what "
                                "free memory holds")
-    block_size: int = _key(16, "a power of two between 8 and 256", lambda v: 8 <= v <= 256 and v & (v - 1) == 0,
-                           "tokens per K/V cache block")
-    max_model_len: int = _key(0, "an integer >= 0 (0 = the model's own limit)", lambda v: v >= 0,
-                              "longest prompt + output in tokens; 0 = the model's own limit")
+    block_size: int = _key(16, "a power of two between 8 and 256", lambda v: 8 <= v <= 256 and v & (v - 1) == 0, "tokens per K/V cache block")
+    max_model_len: int = _key(0, "an integer >= 0 (0 = the model's own limit)", lambda v: v >= 0, "longest prompt + output in tokens; 0 = the model's own limit")
     compile: bool = _key(False, "true or false", lambda v: True, "run the model under torch.compile")
     cuda_graphs: bool = _key(True, "true or false", lambda v: True,
                              "on GPUs, replay decode-only steps from CUDA graphs (one per batch-size bucket; "
                              "not for MoE models)")
     kv_cache_dtype: str = _choice("auto", ("auto", "model", "bf16", "fp16", "fp32", "q8_0", "q4_0"), "K/V cache storage; auto = bf16 on CPUs whatever dtype is (attention widens it as it reads), the model's dtype on GPUs; model = dtype; q8_0 / q4_0 = 8- / 4-bit blocks of 32 with an fp16 scale, K Hadamard-rotated")
     prefix_cache: bool = _key(True, "true or false", lambda v: True, "reuse K/V blocks of prompts seen before")
-    speculative: str = _choice("none", ("none", "ngram"), "speculative decoding; ngram = verify, in the same step, the tokens that "
-                               "followed an earlier occurrence of the latest ones (prompt lookup); greedy output is unchanged; dense models only")
+    speculative: str = _choice("none", ("none", "ngram", "draft"), "speculative decoding, verified in the same step (greedy output is unchanged): "
+                               "ngram = the tokens that followed an earlier occurrence of the latest ones (prompt lookup), draft = what draft_model proposes")
+    draft_model: str = _key("", "a preset name, a checkpoint dir or a .gguf file (empty = none)", lambda v: True,
+                            "the model that proposes tokens for speculative = \"draft\" (setting it turns that on); it must share model's vocabulary")
     num_speculative_tokens: int = _key(5, "an integer between 1 and 32", lambda v: 1 <= v <= 32, "most tokens proposed per request and step")
     ngram_min: int = _key(2, "an integer between 1 and 16", lambda v: 1 <= v <= 16, "shortest run of latest tokens the ngram proposer looks up")
     ngram_max: int = _key(4, "an integer between 1 and 16, >= ngram_min", lambda v: 1 <= v <= 16, "longest run looked up (tried first)")
     state_spare_slots: int = _key(4, "an integer >= 0", lambda v: v >= 0, "extra recurrent-state slots that hold prefix-cache checkpoints (hybrid models)")
     threads: int = _key(0, "an integer >= 0 (0 = all cores)", lambda v: v >= 0, "CPU threads for torch; 0 = all cores")
-    max_waiting: int = _key(256, "an integer >= 1", lambda v: v >= 1,
-                            "most requests queued before the server answers 503")
-    client_max_lag_tokens: int = _key(1024, "an integer >= 1", lambda v: v >= 1,
-                                      "a consumer this many tokens behind pauses its own request")
-    client_timeout_s: float = _key(60.0, "a number > 0 (seconds)", lambda v: v > 0,
-                                   "a consumer stalled this many seconds is cancelled")
+    max_waiting: int = _key(256, "an integer >= 1", lambda v: v >= 1, "most requests queued before the server answers 503")
+    client_max_lag_tokens: int = _key(1024, "an integer >= 1", lambda v: v >= 1, "a consumer this many tokens behind pauses its own request")
+    client_timeout_s: float = _key(60.0, "a number > 0 (seconds)", lambda v: v > 0, "a consumer stalled this many seconds is cancelled")
 
     def __post_init__(self) -> None:
         _validate_instance(self)
-        if self.ngram_min > self.ngram_max:
-            raise ConfigError([f"ngram_min = {self.ngram_min} is more than ngram_max = {self.ngram_max}; "
-                               "raise ngram_max or lower ngram_min"])
+        if self.draft_model and self.speculative == "none":     # naming a draft model asks for it
+            object.__setattr__(self, "speculative", "draft")
+        problems = [f"ngram_min = {self.ngram_min} is more than ngram_max = {self.ngram_max}; raise ngram_max or "
+                    "lower ngram_min"] if self.ngram_min > self.ngram_max else []
+        if (self.speculative == "draft") != bool(self.draft_model):
+            problems.append(f'speculative = "{self.speculative}" with draft_model = {self.draft_model!r}: "draft" '
+                            'needs a draft_model (e.g. --draft-model qwen2.5-coder-0.5b) and a draft_model needs "draft"')
+        if problems:
+            raise ConfigError(problems)
 
     def replace(self, **overrides: Any) -> EngineConfig:
         """A copy with `overrides` applied; unknown names and bad values raise ConfigError."""
@@ -280,9 +281,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 def load_config(path: str | Path | None = None) -> Config:
     """The config in `path`, or the built-in defaults for None."""
-    if path is None:
-        return Config()
-    return config_from_dict(read_toml(path), str(path))
+    return Config() if path is None else config_from_dict(read_toml(path), str(path))
 
 
 def user_config_path() -> Path:

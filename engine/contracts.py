@@ -9,11 +9,13 @@ state-slot operations come first, then the rows.
 A verify row (speculative decoding) is a decode row that also feeds proposed tokens: the engine
 draws after each, the scheduler keeps the draws up to the first that differs from its proposal,
 and the next row starts after them, dropping the table's blocks the rejected positions needed.
+With a draft model the engine makes the proposals itself: the row asks for `draft_k` of them,
+and the output names the tokens proposed next to the draws that verified them.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from engine.request import SamplingParams
@@ -70,18 +72,30 @@ class PlanRow:
                                     # start_pos the cached prefix; the engine starts a new record
     sample_index: int = 0           # tokens this request generated so far: seeds this draw
     num_prompt_tokens: int = 0      # positions below this are prompt (repetition vs presence)
-    cached_token_ids: tuple[int, ...] = ()  # fresh rows of penalised requests: the tokens before
-                                            # start_pos (a cached prefix), counted, never fed
+    cached_token_ids: tuple[int, ...] = ()  # fresh rows of penalised requests (with a draft model,
+                                            # all): the tokens before start_pos (a cached prefix),
+                                            # counted or read by the draft, never fed
     banned_token_ids: tuple[int, ...] = ()  # masked for this draw (EOS/stop ids before min_tokens)
     allowed: bytes | None = None    # the request's grammar: bit i of the little-endian 32-bit
                                     # words set = token i may be drawn (None: every token may)
     num_draft: int = 0              # a verify row: its last num_draft tokens are proposals
     drop_blocks: int = 0            # blocks removed from the end of the table before new_blocks
                                     # are appended (the tail past a verify row's accepted tokens)
+    draft_k: int = 0                # a verify row whose proposals, up to draft_k, the engine's draft
+                                    # model makes and appends to token_ids (new_blocks cover draft_k)
+
+    def with_proposals(self, proposals: tuple[int, ...]) -> "PlanRow":
+        """A draft_k row as the verify row it became once the draft model proposed `proposals`."""
+        return replace(self, token_ids=self.token_ids + proposals, num_draft=len(proposals), draft_k=0)
+
+    @property
+    def num_proposed(self) -> int:
+        return self.num_draft + self.draft_k
 
     @property
     def end_pos(self) -> int:
-        return self.start_pos + len(self.token_ids)
+        """The position after the row's last fed token, proposals included."""
+        return self.start_pos + len(self.token_ids) + self.draft_k
 
 
 @dataclass(frozen=True)
@@ -117,6 +131,8 @@ class RowOutput:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     error: str | None = None
     verify: tuple[Draw, ...] = ()   # a verify row: one draw after each proposal, in order
+    proposals: tuple[int, ...] = ()     # a draft_k row: the tokens the draft model proposed (it may
+                                        # propose fewer than asked, or none)
 
 
 @dataclass(frozen=True)
@@ -143,7 +159,10 @@ def check_plan(plan: StepPlan, running_decoders: set[str] | frozenset[str] = fro
         if row.kind is RowKind.DECODE and len(row.token_ids) != 1 + row.num_draft:
             raise ContractError(f"step {plan.step}: decode row {row.request_id} feeds "
                                 f"{len(row.token_ids)} tokens for {row.num_draft} proposals")
-        if row.num_draft and (row.kind is not RowKind.DECODE or not row.sample):
+        if row.draft_k and row.num_draft:
+            raise ContractError(f"step {plan.step}: row {row.request_id} carries proposals and asks "
+                                "the engine for more")
+        if row.num_proposed and (row.kind is not RowKind.DECODE or not row.sample):
             raise ContractError(f"step {plan.step}: row {row.request_id} carries proposals but is "
                                 "not a sampling decode row")
         if row.drop_blocks and row.fresh:
@@ -179,7 +198,10 @@ def check_result(plan: StepPlan, result: StepResult) -> None:
             raise ContractError(f"step {plan.step}: sampling row {row.request_id} got no token")
         elif not row.sample and out.token is not None:
             raise ContractError(f"step {plan.step}: non-sampling row {row.request_id} got a token")
-        want = row.num_draft if out.token is not None else 0
+        if len(out.proposals) > (row.draft_k if out.token is not None else 0):
+            raise ContractError(f"step {plan.step}: row {row.request_id} got {len(out.proposals)} "
+                                f"draft proposals for {row.draft_k} asked")
+        want = (len(out.proposals) if row.draft_k else row.num_draft) if out.token is not None else 0
         if len(out.verify) != want:
             raise ContractError(f"step {plan.step}: row {row.request_id} got {len(out.verify)} "
                                 f"draws after proposals for {want}")

@@ -68,4 +68,4 @@ class PlanLedger:
         next row says which were accepted)."""
         for row, rec in zip(plan.rows, rows):
             rec.computed = row.end_pos
-            rec.floor = row.end_pos - row.num_draft
+            rec.floor = row.end_pos - row.num_proposed

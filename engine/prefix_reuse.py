@@ -67,9 +67,11 @@ class PrefixReuse:
             return due
         return len(req.all_token_ids)
 
-    def remember(self, req: Request, row: PlanRow) -> None:
+    def remember(self, req: Request, row: PlanRow, cut: bool = False) -> None:
         """After a step: index the request's newly computed full blocks; (hybrid) checkpoint the
-        state if the row ended on the due boundary (a sampling row ends on the last one)."""
+        state if the row ended on the due boundary (a sampling row ends on the last one). The engine
+        rolls a verify row's state back to its accepted run (engine/state_rollback.py), so the
+        state is at the computed positions unless a finish `cut` the run short: then none is taken."""
         if self.cache is None:
             return
         bs, done, tokens = self.block_size, req.num_computed_tokens, req.all_token_ids
@@ -78,7 +80,8 @@ class PrefixReuse:
         for i in range(self._indexed[req.id], done // bs):
             self.cache.insert(req.blocks[i].block_id, chain, i, tokens)
         self._indexed[req.id] = done // bs
-        if (self.checkpoints is None or done % bs or (not row.sample and done != self._checkpoint_due(req))
+        if (self.checkpoints is None or cut or done % bs
+                or (not row.sample and done != self._checkpoint_due(req))
                 or hashes[done // bs - 1] in self.checkpoints):
             return
         slot = self.slots.acquire()

@@ -16,6 +16,7 @@ from engine.debug_hooks import check_step
 from engine.models.batch import ForwardBatch
 from engine.plan_ledger import PlanLedger, RowRecord
 from engine.sampling import TokenCounts, sample
+from engine.state_rollback import StateRollback
 
 
 CPU_VERIFY_TOTAL = 8
@@ -49,13 +50,15 @@ class PrefillBudget:
 class ModelRunner:
     def __init__(self, model, pool, *, max_rows: int, max_model_len: int,
                  budget: PrefillBudget, seed: int | None = None, state_pool=None,
-                 compile: bool = False, fullgraph: bool = False, graphs=None):
+                 compile: bool = False, fullgraph: bool = False, graphs=None, draft=None):
         self.model = model
+        self.draft = draft      # engine.draft.DraftModel (speculative = "draft"), else None
         self._compiled = self._compile(model, fullgraph) if compile else None
         # engine.cuda_graphs.DecodeGraphs over the same forward, or None: decode-only steps replay from it
         self.graphs = graphs(self._compiled or model.forward) if graphs else None
         self.pool = pool
         self.state_pool = state_pool      # engine.kv.pool.StatePool for hybrid models, else None
+        self.rollback = StateRollback(state_pool, budget.verify_total + max_rows)   # hybrid verify rows
         self.max_rows = max_rows
         self.max_model_len = max_model_len
         self.budget = budget
@@ -119,6 +122,8 @@ class ModelRunner:
             return f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
         if row.sampling is not None and row.sampling.logit_bias and row.sampling.logit_bias[-1][0] >= vocab:
             return f"logit_bias names token id {row.sampling.logit_bias[-1][0]}, outside the vocabulary (0..{vocab - 1})"
+        if row.draft_k and self.draft is None:
+            return "the row asks for draft proposals, but this engine has no draft model"
         if row.end_pos > self.max_model_len:
             return f"position {row.end_pos} is past max_model_len {self.max_model_len}"
         if len(rec.block_table) * self.pool.shape.block_size < row.end_pos:
@@ -175,24 +180,32 @@ class ModelRunner:
         closed, records = self.ledger.begin(plan)      # a broken delta raises ContractError
         for rec in closed:
             self._counts.pop(rec.request_id, None)
+            if self.draft is not None:
+                self.draft.forget(rec.request_id)
         self._update(plan, records)
         errors = {r.request_id: self._row_error(r, rec) for r, rec in zip(plan.rows, records)}
         ok = [(r, rec) for r, rec in zip(plan.rows, records) if errors[r.request_id] is None]
-        sampled = {}
+        sampled, fed = {}, {}
         try:
             check_step(plan.step)     # debug hook: raises in the steps PAGEDSERVE_DEBUG_FAIL_STEPS lists
             with torch.inference_mode():
                 for op in plan.state_ops:
                     self._state_op(op)
                 if ok:
-                    rows = [r for r, _ in ok]
+                    rows, recs = [r for r, _ in ok], [rec for _, rec in ok]
+                    if self.draft is not None:      # draft_k rows become verify rows
+                        rows = self.draft.propose(rows, recs, self._batch)
+                    fed = {r.request_id: r for r in rows}
                     counts = {r.request_id: self._count(r) for r in rows if r.sampling.penalized}
-                    hidden = self._forward(self._batch(rows, [rec for _, rec in ok]), rows)
+                    batch = self._batch(rows, recs)
+                    self.rollback.prepare(batch, rows)
+                    hidden = self._forward(batch, rows)
                     sampling_rows = [r for r in rows if r.sample]
                     if sampling_rows:
                         picks = sample(self.model.logits(hidden), sampling_rows, self.generator,
                                        [counts.get(r.request_id) for r in sampling_rows])
                         sampled = {r.request_id: p for r, p in zip(sampling_rows, picks)}
+                        self.rollback.apply(sampled)
         except Exception as e:  # noqa: BLE001 - a step failure is reported, the engine lives on
             return StepResult(plan.step, error=f"{type(e).__name__}: {e}")
         finally:
@@ -203,8 +216,11 @@ class ModelRunner:
                 outputs.append(RowOutput(r.request_id, error=errors[r.request_id]))
             elif r.request_id in sampled:
                 (tok, lp, top), *verify = sampled[r.request_id]
+                proposals = fed[r.request_id].token_ids[1:] if r.draft_k else ()
                 outputs.append(RowOutput(r.request_id, token=tok, logprob=lp, top_logprobs=top,
-                                         verify=tuple(Draw(*d) for d in verify)))
+                                         verify=tuple(Draw(*d) for d in verify), proposals=proposals))
             else:
                 outputs.append(RowOutput(r.request_id))
+        if self.draft is not None:
+            self.draft.seen(list(fed.values()), {o.request_id: o for o in outputs})
         return StepResult(plan.step, tuple(outputs))

@@ -21,7 +21,7 @@ from engine.kv.resources import KVResources
 from engine.prefill_rotation import PrefillRotation
 from engine.prefix_reuse import PrefixReuse
 from engine.request import Event, FinishReason, Request, RequestState
-from engine.speculation import Speculator
+from engine.speculation import Proposal, Speculator
 from engine.errors import QueueFull, RequestRejected
 from engine.stats import RequestRow, SchedulerStats, StatsRecorder, percentile
 
@@ -53,6 +53,7 @@ class Scheduler:
         self._preemptions = 0
         self._recorder = StatsRecorder(clock)
         self._spec = speculator
+        self._draft_reads = speculator is not None and speculator.engine_drafts   # cached prefixes too
 
     # ---- requests in --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -217,6 +218,8 @@ class Scheduler:
                 continue
             if row.kind is RowKind.PREFILL:
                 prompt_fed += len(row.token_ids)
+            if row.draft_k:
+                row = row.with_proposals(out.proposals)
             taken = self._take(req, row, (self._spec.accept(row, out) if row.num_draft else [out])
                                if row.sample else [])
             generated += len(taken)
@@ -239,9 +242,9 @@ class Scheduler:
                 break
             events.append(Event.of(req, None, None, draw))
         req.num_computed_tokens = len(req.all_token_ids) - 1 if row.sample else row.end_pos
-        if row.num_draft:
+        if row.kind is RowKind.DECODE:      # a verify row's rejected (or never made) proposals
             self._kv.blocks.free(reversed(req.take_blocks(self._blocks_for(len(req.all_token_ids)))))
-        self._prefix.remember(req, row)
+        self._prefix.remember(req, row, cut=len(events) + 1 < len(run))
         if reason is not None:
             events.append(self._retire(req, reason, error=error, out=draw))
         return events
@@ -367,9 +370,9 @@ class Scheduler:
         return (req is not None and self._prefix.cache is not None
                 and req.state in (RequestState.WAITING, RequestState.PREFILL))
 
-    def _row(self, req: Request, kind: RowKind, count: int, draft: tuple[int, ...] = ()) -> PlanRow:
-        """`count` of the request's tokens to feed, then the proposals `draft` (already covered
-        by blocks)."""
+    def _row(self, req: Request, kind: RowKind, count: int, draft: Proposal = ()) -> PlanRow:
+        """`count` of the request's tokens to feed, then the proposals `draft` or as many as it
+        asks of the engine's draft model (already covered by blocks)."""
         all_ids, start = req.all_token_ids, req.num_computed_tokens
         end = start + count
         need = self._blocks_for(end)
@@ -379,13 +382,14 @@ class Scheduler:
         req.sent_blocks, drop, req.unsent_drop = len(req.block_ids), req.unsent_drop, 0
         sample = end == len(all_ids)
         params = req.params
+        tokens, asked = ((), draft) if isinstance(draft, int) else (draft, 0)
         return PlanRow(
-            request_id=req.id, kind=kind, token_ids=tuple(all_ids[start:end]) + draft, start_pos=start,
+            request_id=req.id, kind=kind, token_ids=tuple(all_ids[start:end]) + tokens, start_pos=start,
             new_blocks=tuple(req.block_ids[sent:]), state_slot=req.state_slot, sample=sample,
             sampling=params, fresh=fresh, sample_index=len(req.output_token_ids),
             num_prompt_tokens=len(req.prompt_token_ids),
-            cached_token_ids=tuple(all_ids[:start]) if fresh and params.penalized else (),
+            cached_token_ids=tuple(all_ids[:start]) if fresh and (params.penalized or self._draft_reads) else (),
             banned_token_ids=(req.stop_token_ids
                               if sample and len(req.output_token_ids) < params.min_tokens else ()),
             allowed=req.matcher.mask() if sample and req.matcher is not None else None,
-            num_draft=len(draft), drop_blocks=drop)
+            num_draft=len(tokens), drop_blocks=drop, draft_k=asked)

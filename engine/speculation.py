@@ -11,8 +11,10 @@ with x removed and renormalised (the correction); a seeded row's draws depend on
 index) only, so its output is the same with or without speculation.
 
 Requests whose next draws depend on state the scheduler would have to roll back get no proposals:
-penalties (running token counts), grammars (the matcher), min_tokens bans (per position) and
-recurrent-state slots (hybrid models; the builder refuses speculation for them).
+penalties (running token counts), grammars (the matcher) and min_tokens bans (per position). Hybrid
+models' recurrent state rolls back in the engine: it records the state after each of a verify row's
+tokens and keeps the one after the accepted run, which `accepted_run` decides on both sides
+(engine/state_rollback.py).
 """
 from __future__ import annotations
 
@@ -25,9 +27,24 @@ from engine.request import Request
 MAX_BACKOFF = 64        # steps a request sits out, at most, before it proposes again
 
 
+# Proposals for one decoder: the tokens themselves, or how many the engine's draft model is to make
+Proposal = tuple[int, ...] | int
+
+
 class Proposer(Protocol):
-    def propose(self, req: Request, k: int) -> tuple[int, ...]: ...
+    def propose(self, req: Request, k: int) -> Proposal: ...
     def forget(self, request_id: str) -> None: ...
+
+
+class DraftProposer:
+    """Proposals made by the engine's draft model, in the step that verifies them: the scheduler
+    only asks for k of them (and covers their positions with blocks)."""
+
+    def propose(self, req: Request, k: int) -> int:
+        return k
+
+    def forget(self, request_id: str) -> None:
+        pass
 
 
 @dataclass
@@ -59,19 +76,23 @@ class Speculator:
         self._turn = 0
         self.proposed = self.accepted = self.verify_rows = 0
 
+    @property
+    def engine_drafts(self) -> bool:
+        """The engine's draft model makes the proposals (and reads each fresh row's cached prefix)."""
+        return isinstance(self.proposer, DraftProposer)
+
     @staticmethod
     def eligible(req: Request) -> bool:
         """No state of the request would have to roll back (see the module docstring)."""
         p = req.params
-        return (not p.penalized and req.matcher is None and req.state_slot is None
-                and len(req.output_token_ids) >= p.min_tokens)
+        return not p.penalized and req.matcher is None and len(req.output_token_ids) >= p.min_tokens
 
     def plan(self, decoders: list[Request], budget: int,
-             cover: Callable[[Request, int], int]) -> dict[str, tuple[int, ...]]:
+             cover: Callable[[Request, int], int]) -> dict[str, Proposal]:
         """Proposals for this step's decoders within `budget` tokens, in a rotating order so a
         tight budget is shared; `cover(req, positions)` grows the request's blocks towards
         `positions` without preempting anyone and returns the positions covered."""
-        drafts: dict[str, tuple[int, ...]] = {}
+        drafts: dict[str, Proposal] = {}
         start = self._turn % len(decoders) if decoders else 0
         self._turn += 1
         for req in decoders[start:] + decoders[:start]:
@@ -80,13 +101,15 @@ class Speculator:
             draft = self._draft(req, budget)
             if draft:
                 fed = req.num_computed_tokens + 1
-                draft = draft[:cover(req, fed + len(draft)) - fed]
+                wanted = draft if isinstance(draft, int) else len(draft)
+                covered = cover(req, fed + wanted) - fed
+                draft = min(draft, covered) if isinstance(draft, int) else draft[:covered]
             if draft:
                 drafts[req.id] = draft
-                budget -= len(draft)
+                budget -= draft if isinstance(draft, int) else len(draft)
         return drafts
 
-    def _draft(self, req: Request, budget: int) -> tuple[int, ...]:
+    def _draft(self, req: Request, budget: int) -> Proposal:
         if not self.eligible(req):
             return ()
         pace = self._paces.setdefault(req.id, _Pace(self.k))

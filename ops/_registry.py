@@ -28,6 +28,37 @@ def require_slot_rows(op: str, state_slots: torch.Tensor, query_start_loc: torch
             f"{tuple(query_start_loc.shape)}")
 
 
+def require_checkpoints(op: str, checkpoints: torch.Tensor | None, checkpoint_start: torch.Tensor | None,
+                        state: torch.Tensor, state_slots: torch.Tensor) -> None:
+    """The recurrent ops' optional per-token state record: `checkpoints` [C, *slot shape] in the state's
+    dtype and int32 `checkpoint_start` [B] (-1 = the row records nothing), given together."""
+    if checkpoints is None and checkpoint_start is None:
+        return
+    require(checkpoints is not None and checkpoint_start is not None, op,
+            "checkpoints and checkpoint_start go together: pass both or neither")
+    shape = tuple(state.shape[1:])
+    require(checkpoints.dim() == state.dim() and tuple(checkpoints.shape[1:]) == shape
+            and checkpoints.dtype == state.dtype, op,
+            f"checkpoints must be {state.dtype} [C, {', '.join(map(str, shape))}] like one state slot, "
+            f"got {checkpoints.dtype} {tuple(checkpoints.shape)}")
+    require(checkpoint_start.dtype == torch.int32 and checkpoint_start.shape == state_slots.shape, op,
+            f"checkpoint_start must be int32 [B={state_slots.shape[0]}], got {checkpoint_start.dtype} "
+            f"{tuple(checkpoint_start.shape)}")
+
+
+def checkpoint_rows(checkpoints: torch.Tensor | None, checkpoint_start: torch.Tensor | None, starts: list[int],
+                    op: str) -> list[int]:
+    """Each row's first checkpoint index on the host (-1: none), checked against the buffer's size."""
+    rows = len(starts) - 1
+    if checkpoints is None:
+        return [-1] * rows
+    first = checkpoint_start.tolist()
+    over = [i for i, c in enumerate(first) if c >= 0 and c + starts[i + 1] - starts[i] > checkpoints.shape[0]]
+    require(not over, op, f"row {over[0] if over else 0} records its states past the {checkpoints.shape[0]} "
+                          "checkpoints given: size checkpoints for every recorded token")
+    return first
+
+
 _IMPLS: dict[tuple[str, str], Callable] = {}
 _BACKEND_PACKAGES = {"cpu": "ops.cpu", "cuda": "ops.triton"}
 _loaded: set[str] = set()

@@ -9,20 +9,29 @@ prompt split over several steps continues exactly. Per token t and value head h 
 with q, k L2-normalised (when `use_qk_l2norm`) and q scaled by Dk^-0.5. Multi-token rows use the chunked
 (WY / UT-transform) form, single-token rows one batched recurrent step. Rows with slot < 0 and tokens past
 qsl[-1] (padding) read and write no state and produce zeros.
+
+Optionally a row also records the state after each of its tokens: with `checkpoints` [N, Hv, Dk, Dv] and
+`checkpoint_start[i] = c >= 0`, the state after row i's j-th token goes to checkpoints[c + j]. Such rows
+(speculative verify rows: a few tokens) run in the recurrent form, one batched step per token, which is
+the computation single-token decode steps do, so a rolled-back state is what plain decoding would hold.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ops._registry import NAMESPACE, impl, register, require, require_slot_rows
+from ops._registry import (NAMESPACE, checkpoint_rows, impl, register, require, require_checkpoints,
+                           require_slot_rows)
 
 CHUNK = 64
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
-           query_start_loc: Tensor, state_slots: Tensor) -> None:
+           query_start_loc: Tensor, state_slots: Tensor, checkpoints: Tensor | None,
+           checkpoint_start: Tensor | None) -> None:
     op = "gated_delta_rule"
     require(q.dim() == 3 and k.shape == q.shape, op,
             f"q and k must both be [T, Hk, Dk], got q {tuple(q.shape)}, k {tuple(k.shape)}")
@@ -36,6 +45,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool:
             op, f"state_pool must be fp32 [slots, Hv={hv}, Dk={dk}, Dv={dv}], "
                 f"got {state_pool.dtype} {tuple(state_pool.shape)}")
     require_slot_rows(op, state_slots, query_start_loc)
+    require_checkpoints(op, checkpoints, checkpoint_start, state_pool, state_slots)
 
 
 def _check_rows(starts: list[int], slots: list[int], num_tokens: int, num_slots: int) -> None:
@@ -60,11 +70,13 @@ def _prepare(q: Tensor, k: Tensor, heads_v: int, use_qk_l2norm: bool) -> tuple[T
 
 
 def reference_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
-                               query_start_loc: Tensor, state_slots: Tensor, use_qk_l2norm: bool) -> Tensor:
-    """The definition, one token at a time; mutates `state_pool` like the op."""
+                               query_start_loc: Tensor, state_slots: Tensor, use_qk_l2norm: bool,
+                               checkpoints: Tensor | None = None, checkpoint_start: Tensor | None = None) -> Tensor:
+    """The definition, one token at a time; mutates `state_pool` (and `checkpoints`) like the op."""
     qf, kf = _prepare(q, k, v.shape[1], use_qk_l2norm)
     out = torch.zeros(v.shape, dtype=torch.float32)
     starts = query_start_loc.tolist()
+    first = checkpoint_rows(checkpoints, checkpoint_start, starts, "gated_delta_rule")
     for i, slot in enumerate(state_slots.tolist()):
         if slot < 0:
             continue
@@ -75,6 +87,8 @@ def reference_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta:
                 delta = beta[t, h].float() * (v[t, h].float() - s.T @ kf[t, h])
                 state[h] = s + torch.outer(kf[t, h], delta)
                 out[t, h] = state[h].T @ qf[t, h]
+            if first[i] >= 0:
+                checkpoints[first[i] + t - starts[i]] = state
         state_pool[slot] = state
     return out.to(v.dtype)
 
@@ -120,24 +134,44 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Te
     return out.reshape(heads, -1, v.shape[-1])[:, :n], state
 
 
+def _recurrent_rows(rows: list[int], starts: list[int], slots: list[int], first: list[int], inputs: tuple,
+                    state_pool: Tensor, out: Tensor, checkpoints: Tensor | None) -> None:
+    """Rows in the recurrent form, one batched step per token position (the rows still that long)."""
+    dev = out.device
+    lengths = [starts[i + 1] - starts[i] for i in rows]
+    idx = torch.tensor([slots[i] for i in rows], dtype=torch.long, device=dev)
+    state = state_pool.index_select(0, idx)
+    for j in range(max(lengths)):
+        live = [r for r, n in enumerate(lengths) if n > j]
+        tok = torch.tensor([starts[rows[r]] + j for r in live], dtype=torch.long, device=dev)
+        sub = None if len(live) == len(rows) else torch.tensor(live, dtype=torch.long, device=dev)
+        o, new = _recurrent_step(*(x[tok] for x in inputs), state if sub is None else state[sub])
+        out.index_copy_(0, tok, o)
+        state = new if sub is None else state.index_copy(0, sub, new)
+        recorded = [(n, first[rows[r]] + j) for n, r in enumerate(live) if first[rows[r]] >= 0]
+        if recorded:
+            checkpoints.index_copy_(0, torch.tensor([c for _, c in recorded], dtype=torch.long, device=dev),
+                                    new[torch.tensor([n for n, _ in recorded], dtype=torch.long, device=dev)])
+    state_pool.index_copy_(0, idx, state)
+
+
 @register("gated_delta_rule", "cpu")
 def torch_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
-                           query_start_loc: Tensor, state_slots: Tensor, use_qk_l2norm: bool) -> Tensor:
+                           query_start_loc: Tensor, state_slots: Tensor, use_qk_l2norm: bool,
+                           checkpoints: Tensor | None = None, checkpoint_start: Tensor | None = None) -> Tensor:
     starts, slots = query_start_loc.tolist(), state_slots.tolist()
     _check_rows(starts, slots, q.shape[0], state_pool.shape[0])
+    first = checkpoint_rows(checkpoints, checkpoint_start, starts, "gated_delta_rule")
     qf, kf = _prepare(q, k, v.shape[1], use_qk_l2norm)
     vf, gf, bf = v.float(), g.float(), beta.float()
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    decode = [i for i, s in enumerate(slots) if s >= 0 and starts[i + 1] - starts[i] == 1]
-    if decode:
-        tok = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=v.device)
-        idx = torch.tensor([slots[i] for i in decode], dtype=torch.long, device=v.device)
-        o, new = _recurrent_step(qf[tok], kf[tok], vf[tok], gf[tok], bf[tok], state_pool.index_select(0, idx))
-        out.index_copy_(0, tok, o)
-        state_pool.index_copy_(0, idx, new)
+    lengths = [b - a for a, b in zip(starts, starts[1:])]
+    recurrent = [i for i, s in enumerate(slots) if s >= 0 and (lengths[i] == 1 or (lengths[i] and first[i] >= 0))]
+    if recurrent:
+        _recurrent_rows(recurrent, starts, slots, first, (qf, kf, vf, gf, bf), state_pool, out, checkpoints)
     for i, slot in enumerate(slots):
         a, b = starts[i], starts[i + 1]
-        if slot < 0 or b - a < 2:
+        if slot < 0 or b - a < 2 or first[i] >= 0:
             continue
         o, new = _chunked(*(x[a:b].transpose(0, 1) for x in (qf, kf, vf, gf, bf)), state_pool[slot])
         out[a:b] = o.transpose(0, 1)
@@ -145,16 +179,18 @@ def torch_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     return out.to(v.dtype)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::gated_delta_rule", mutates_args=("state_pool",))
+@torch.library.custom_op(f"{NAMESPACE}::gated_delta_rule", mutates_args=("state_pool", "checkpoints"))
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
-                     query_start_loc: Tensor, state_slots: Tensor, use_qk_l2norm: bool) -> Tensor:
-    _check(q, k, v, g, beta, state_pool, query_start_loc, state_slots)
+                     query_start_loc: Tensor, state_slots: Tensor, use_qk_l2norm: bool,
+                     checkpoints: Optional[Tensor] = None, checkpoint_start: Optional[Tensor] = None) -> Tensor:
+    _check(q, k, v, g, beta, state_pool, query_start_loc, state_slots, checkpoints, checkpoint_start)
     return impl("gated_delta_rule", q.device)(q, k, v, g, beta, state_pool, query_start_loc, state_slots,
-                                              use_qk_l2norm)
+                                              use_qk_l2norm, checkpoints, checkpoint_start)
 
 
 @gated_delta_rule.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, query_start_loc: Tensor,
-      state_slots: Tensor, use_qk_l2norm: bool) -> Tensor:
-    _check(q, k, v, g, beta, state_pool, query_start_loc, state_slots)
+      state_slots: Tensor, use_qk_l2norm: bool, checkpoints: Optional[Tensor] = None,
+      checkpoint_start: Optional[Tensor] = None) -> Tensor:
+    _check(q, k, v, g, beta, state_pool, query_start_loc, state_slots, checkpoints, checkpoint_start)
     return torch.empty_like(v)

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tiny_models import make_checkpoint
+from tiny_models import make_checkpoint, make_hybrid_checkpoint
+
+# hybrid shapes whose greedy output repeats itself (tied embeddings scaled up), for speculative decoding
+REPEATING_HYBRIDS = {"qwen3_5": dict(arch="qwen3_5"), "qwen3_next": dict(arch="qwen3_next", linear_heads=(2, 2))}
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +33,21 @@ def tiny_checkpoint(tmp_path_factory):
         if key not in built:
             built[key] = make_checkpoint(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **kwargs)
         return built[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def repeating_hybrid(tmp_path_factory):
+    """`repeating_hybrid("qwen3_5" | "qwen3_next") -> str`: a tiny Qwen3.5- or Qwen3-Next-shaped checkpoint
+    whose greedy output runs in repeats, so n-gram proposals are both accepted and rejected."""
+    built: dict[str, str] = {}
+
+    def build(name: str) -> str:
+        if name not in built:
+            built[name] = str(make_hybrid_checkpoint(tmp_path_factory.mktemp(f"hybrid-{name}"), tied=True,
+                                                     embed_scale=3.0, **REPEATING_HYBRIDS[name]))
+        return built[name]
 
     return build
 

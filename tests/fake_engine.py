@@ -9,8 +9,11 @@ same digests as recomputed ones: outputs are a pure function of (request, previo
 With state slots it models the recurrent state as a digest of every token fed into the slot, which
 also feeds the sampled token: a slot that was not reset, or a wrong checkpoint restore
 (copy_state), changes the output; a slot must be at the row's start position and never shared.
+A verify row's draws each see the state after their own position, and its slot rolls back to the
+state after the accepted run (`accepted_run`, as the runner's engine/state_rollback.py does).
 A verify row draws after each of its last 1 + num_draft tokens the same way; `OracleProposer`
-knows the tokens the engine will draw and proposes them with random mistakes.
+knows the tokens the engine will draw and proposes them with random mistakes, and so does the
+engine's own fake draft model for draft_k rows when `draft_error` is set.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from engine.contracts import Draw, EngineLimits, RowOutput, StepPlan, StepResult
 from engine.plan_ledger import PlanLedger
 from engine.request import Request, SamplingParams
 from engine.scheduler import Event, Scheduler
+from engine.speculation import accepted_run
 
 
 def fake_token(request_id: str, context: bytes, vocab: int) -> int:
@@ -58,6 +62,8 @@ class FakeEngine:
     max_verify_tokens_total: int = 0                     # decode-row tokens with proposals
     vocab: int = 1000
     honor_bans: bool = True                              # False: a sampler that ignores the mask
+    draft_error: float | None = None     # a draft model: draft_k rows get oracle proposals, each wrong
+                                         # with this probability (None: no draft model)
     forced: dict[tuple[str, int], int] = field(default_factory=dict)  # (id, sample_index) -> token
     fail_rows: set[str] = field(default_factory=set)     # these requests' next rows fail (once)
     raise_on_steps: set[int] = field(default_factory=set)
@@ -73,6 +79,7 @@ class FakeEngine:
         self._kv: dict[tuple[int, int], tuple[int, bytes]] = {}    # (block, offset) -> (token, digest)
         self._slots: dict[int, _SlotState] = {}
         self.ledger = PlanLedger(self.max_rows)
+        self._draft_rng = random.Random(0)
 
     def limits(self) -> EngineLimits:
         return EngineLimits(self.max_rows, self.block_size, self.num_blocks, self.num_state_slots,
@@ -118,7 +125,9 @@ class FakeEngine:
             return RowOutput(row.request_id, error=f"injected row error for {row.request_id}")
         bs = self.block_size
         assert len(block_table) * bs >= row.end_pos, f"{row.request_id}: block table too short"
-        state = None
+        proposals = self._draft(row, block_table) if row.draft_k else ()
+        row = row.with_proposals(proposals) if row.draft_k else row
+        states = []                         # the slot's digest after each fed token
         if row.state_slot is not None:
             slot = self._slots.get(row.state_slot)
             assert slot is not None, f"slot {row.state_slot} was never reset"
@@ -127,7 +136,8 @@ class FakeEngine:
             assert slot.user in (None, row.request_id), f"slot {row.state_slot} is shared with {slot.user}"
             for tok in row.token_ids:
                 slot.digest = fold(slot.digest, tok)
-            slot.position, slot.user, state = row.end_pos, row.request_id, slot.digest
+                states.append(slot.digest)
+            slot.position, slot.user = row.end_pos, row.request_id
         for i, tok in enumerate(row.token_ids):
             pos = row.start_pos + i
             prefix = self._kv[(block_table[(pos - 1) // bs], (pos - 1) % bs)][1] if pos else b""
@@ -139,17 +149,36 @@ class FakeEngine:
             pos = row.end_pos - 1 - row.num_draft + d
             context = self._kv[(block_table[pos // bs], pos % bs)][1]
             # a correct state folds the same tokens as the K/V chain; any other state changes the token
+            state = states[pos - row.start_pos] if states else None
             stray = b"" if state in (None, context) else b"stray" + state
             token = self.forced.get((row.request_id, row.sample_index + d),
                                     fake_token(row.request_id, context + stray, self.vocab))
             if self.honor_bans and token in row.banned_token_ids:   # like a sampler's mask: take the next allowed id
                 token = next(t for t in range(self.vocab) if t not in row.banned_token_ids)
             draws.append(token)
-        return RowOutput(row.request_id, token=draws[0], verify=tuple(Draw(t) for t in draws[1:]))
+        out = RowOutput(row.request_id, token=draws[0], verify=tuple(Draw(t) for t in draws[1:]),
+                        proposals=proposals)
+        if states and row.num_draft:
+            fed = len(row.token_ids) - row.num_draft + len(accepted_run(row, out)) - 1
+            slot.digest, slot.position = states[fed - 1], row.start_pos + fed
+        return out
+
+    def _draft(self, row, block_table: list[int]) -> tuple[int, ...]:
+        """Up to draft_k (a random number, like a draft still catching up) of the draws the row will
+        make from its K/V chain, each wrong with probability draft_error."""
+        assert self.draft_error is not None, f"{row.request_id} asks for draft proposals; there is no draft"
+        bs, pos = self.block_size, row.start_pos
+        digest = self._kv[(block_table[(pos - 1) // bs], (pos - 1) % bs)][1] if pos else b""
+        out = []
+        for tok in (row.token_ids + (None,) * (row.draft_k - 1))[:self._draft_rng.randint(0, row.draft_k)]:
+            digest = fold(digest, out[-1] if tok is None else tok)
+            drawn = fake_token(row.request_id, digest, self.vocab)
+            out.append((drawn + 1) % self.vocab if self._draft_rng.random() < self.draft_error else drawn)
+        return tuple(out)
 
 
 class OracleProposer:
-    """Proposes the tokens a FakeEngine without forced tokens or state slots will draw, each
+    """Proposes the tokens a FakeEngine without forced tokens will draw, each
     replaced by a wrong one with probability `error`: random acceptance lengths."""
 
     def __init__(self, vocab: int, error: float = 0.3, seed: int = 0) -> None:

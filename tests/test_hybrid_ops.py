@@ -1,5 +1,6 @@
 """Hybrid-model ops: opcheck, op == per-token reference (chunked and recurrent forms, state slots, padding),
-prompt chunks continue exactly, and agreement with transformers' torch fallbacks (the oracle)."""
+prompt chunks continue exactly, per-token state checkpoints (speculative rollback), and agreement with
+transformers' torch fallbacks (the oracle)."""
 from __future__ import annotations
 
 import pytest
@@ -123,6 +124,76 @@ def test_causal_conv1d_from_zero_state_in_pieces_matches_transformers():
     torch.testing.assert_close(state[0], x[-3:].T, atol=0, rtol=0)
 
 
+# checkpoint rows: a verify-like row, a decode row, a row past one 64-chunk, and a slotless row (records
+# nothing); the other rows record nothing either. Indexes leave gaps that must stay untouched.
+CK_LENGTHS, CK_SLOTS = [1, 5, 70, 3, 1, 9], [4, 0, 2, -1, 1, 5]
+CK_START, CK_SIZE = [-1, 0, 6, 80, 76, 78], 90
+
+
+def _prefix_state(op, inputs: tuple, fixed: tuple, state: torch.Tensor, slot: int, a: int, n: int, *flags
+                  ) -> torch.Tensor:
+    """The slot's state after the reference ran on tokens a..a+n-1 only."""
+    state = state.clone()
+    op(*(x[a:a + n] for x in inputs), *fixed, state, torch.tensor([0, n], dtype=torch.int32),
+       torch.tensor([slot], dtype=torch.int32), *flags)
+    return state[slot]
+
+
+def _check_checkpoints(op, reference, inputs: tuple, fixed: tuple, start_state: torch.Tensor, *flags, tol: dict):
+    """op with checkpoints == op without (outputs, final states); checkpoint j of a recording row == the
+    reference's state after the row's first j+1 tokens; unrecorded entries untouched; the reference's own
+    checkpoints agree."""
+    qsl = torch.tensor([0] + torch.tensor(CK_LENGTHS).cumsum(0).tolist(), dtype=torch.int32)
+    slots, first = torch.tensor(CK_SLOTS, dtype=torch.int32), torch.tensor(CK_START, dtype=torch.int32)
+    plain_state, ck_state = start_state.clone(), start_state.clone()
+    plain = op(*inputs, *fixed, plain_state, qsl, slots, *flags)
+    sentinel = torch.full((CK_SIZE, *start_state.shape[1:]), 7.0, dtype=start_state.dtype)
+    checkpoints = sentinel.clone()
+    recorded = op(*inputs, *fixed, ck_state, qsl, slots, *flags, checkpoints, first)
+    torch.testing.assert_close(recorded, plain, **tol)
+    torch.testing.assert_close(ck_state, plain_state, **tol)
+    written = torch.zeros(CK_SIZE, dtype=torch.bool)
+    for i, (n, slot, c) in enumerate(zip(CK_LENGTHS, CK_SLOTS, CK_START)):
+        if c < 0 or slot < 0:
+            continue
+        written[c:c + n] = True
+        for j in range(n):
+            want = _prefix_state(reference, inputs, fixed, start_state, slot, int(qsl[i]), j + 1, *flags)
+            torch.testing.assert_close(checkpoints[c + j], want, **tol, msg=f"row {i}, token {j}")
+    assert torch.equal(checkpoints[~written], sentinel[~written])
+    ref_checkpoints, ref_state = sentinel.clone(), start_state.clone()
+    reference(*inputs, *fixed, ref_state, qsl, slots, *flags, ref_checkpoints, first)
+    torch.testing.assert_close(checkpoints, ref_checkpoints, **tol)
+    return checkpoints
+
+
+def test_gated_delta_rule_checkpoints_hold_the_state_after_each_token():
+    q, k, v, g, beta, _ = _delta_inputs(CK_LENGTHS, pad=2, seed=12)
+    _check_checkpoints(pagedserve.gated_delta_rule, reference_gated_delta_rule, (q, k, v, g, beta), (), _states(7),
+                       True, tol=dict(atol=2e-5, rtol=2e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv1d_checkpoints_hold_the_last_inputs_after_each_token(dtype):
+    x, weight, _ = _conv_inputs(CK_LENGTHS, dtype=dtype, seed=13)
+    start = torch.randn(7, 12, 3, generator=_gen(14)).to(dtype)
+    _check_checkpoints(pagedserve.causal_conv1d, reference_causal_conv1d, (x,), (weight,), start, True,
+                       tol=dict(atol=0, rtol=0))     # states are copies of inputs: exact
+
+
+def test_checkpoint_arguments_are_checked():
+    q, k, v, g, beta, qsl = _delta_inputs([3])
+    slot = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(OpInputError, match="pass both or neither"):
+        pagedserve.gated_delta_rule(q, k, v, g, beta, _states(1), qsl, slot, True, _states(3), None)
+    with pytest.raises(OpInputError, match="like one state slot"):
+        pagedserve.gated_delta_rule(q, k, v, g, beta, _states(1), qsl, slot, True, torch.zeros(3, 2),
+                                    torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(OpInputError, match="past the 2 checkpoints given"):
+        pagedserve.gated_delta_rule(q, k, v, g, beta, _states(1), qsl, slot, True, _states(2),
+                                    torch.tensor([0], dtype=torch.int32))
+
+
 @pytest.mark.parametrize("normalize", [True, False])
 def test_moe_matches_reference(normalize):
     g = _gen(4)
@@ -151,11 +222,17 @@ def _opcheck_samples():
     gen = _gen(8)
     logits, xm = torch.randn(5, 4, generator=gen), torch.randn(5, 8, generator=gen)
     weights, ids = torch.rand(5, 2, generator=gen), torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 3]])
+    first = torch.tensor([-1, 0, 5], dtype=torch.int32)
     return [
         (pagedserve.gated_delta_rule, (q, k, v, g, beta, _states(4), qsl, torch.tensor([3, 0, -1], dtype=torch.int32),
                                        True)),
+        (pagedserve.gated_delta_rule, (q, k, v, g, beta, _states(4), qsl, torch.tensor([3, 0, 1], dtype=torch.int32),
+                                       True, _states(6), first)),
         (pagedserve.causal_conv1d, (x, weight, torch.randn(3, 12, 3, generator=gen), cqsl,
                                     torch.tensor([2, 0, 1], dtype=torch.int32), True)),
+        (pagedserve.causal_conv1d, (x, weight, torch.randn(3, 12, 3, generator=gen), cqsl,
+                                    torch.tensor([2, 0, 1], dtype=torch.int32), True,
+                                    torch.randn(7, 12, 3, generator=gen), first)),
         (pagedserve.moe_route, (logits, 2, True)),
         (pagedserve.moe_experts, (xm, torch.randn(4, 12, 8, generator=gen), torch.randn(4, 8, 6, generator=gen),
                                   weights, ids)),

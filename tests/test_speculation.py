@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from engine.ngram import NgramIndex, NgramProposer
 from engine.plan_ledger import PlanLedger
 from engine.request import FinishReason, RequestState, SamplingParams
 from engine.sampling import sample
-from engine.speculation import Speculator, accepted_run
+from engine.speculation import DraftProposer, Speculator, accepted_run
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -28,9 +29,29 @@ def _oracle(k=4, error=0.3, vocab=50, seed=0):
     return Speculator(OracleProposer(vocab, error, seed), k)
 
 
+def _speculating(k: int, error: float, draft: bool) -> dict:
+    """make_scheduler arguments: the oracle proposer in the scheduler, or the same proposals from
+    the engine's (fake) draft model, in the step that verifies them."""
+    if draft:
+        return dict(speculator=Speculator(DraftProposer(), k), draft_error=error)
+    return dict(speculator=_oracle(k, error))
+
+
+def _loud(execute):
+    """The engine's failed checks (slot state, tables) fail the test: the scheduler would take them
+    for step failures."""
+    def run(plan):
+        try:
+            return execute(plan)
+        except AssertionError as e:
+            pytest.fail(f"step {plan.step}: {e}")
+    return run
+
+
 def _run(specs, speculator=None, **cfg):
     """Requests (prompt length, max_tokens) drained through a FakeEngine; their outputs and reasons."""
     sched, engine, _ = make_scheduler(vocab=50, speculator=speculator, **cfg)
+    engine.execute = _loud(engine.execute)
     reqs = [make_request(f"r{i}", n, max_tokens=mt, seed=i) for i, (n, mt) in enumerate(specs)]
     for req in reqs:
         sched.add(req)
@@ -142,6 +163,18 @@ def test_check_plan_and_check_result_know_verify_rows():
         check_plan(StepPlan(1, (bad,)))
     with pytest.raises(ContractError, match="feeds 2 tokens for 0 proposals"):
         check_plan(StepPlan(1, (PlanRow("a", RowKind.DECODE, (1, 2), 0, (), None, True, GREEDY),)))
+    # a row asking the engine's draft model for two proposals: draws after both, and the two named
+    drafted = StepPlan(1, (PlanRow("a", RowKind.DECODE, (1,), 3, (), None, True, GREEDY, draft_k=2),))
+    check_plan(drafted, {"a"})
+    assert drafted.rows[0].end_pos == 6 and drafted.rows[0].with_proposals((4, 5)) == row
+    check_result(drafted, StepResult(1, (RowOutput("a", token=4, verify=(Draw(5), Draw(6)), proposals=(4, 5)),)))
+    check_result(drafted, StepResult(1, (RowOutput("a", token=4, verify=(Draw(5),), proposals=(4,)),)))  # fewer
+    with pytest.raises(ContractError, match="got 3 draft proposals for 2 asked"):
+        check_result(drafted, StepResult(1, (RowOutput("a", token=4, verify=(Draw(5),) * 3, proposals=(4, 5, 6)),)))
+    with pytest.raises(ContractError, match="got 2 draws after proposals for 1"):
+        check_result(drafted, StepResult(1, (RowOutput("a", token=4, verify=(Draw(5), Draw(6)), proposals=(4,)),)))
+    with pytest.raises(ContractError, match="carries proposals and asks the engine for more"):
+        check_plan(StepPlan(1, (replace(row, draft_k=1),)))
 
 
 def test_the_ledger_rolls_back_after_a_verify_row_and_drops_blocks():
@@ -320,6 +353,7 @@ CONFIGS = st.fixed_dictionaries({
     "max_prefill_tokens_total": st.integers(1, 24),
     "prefill_quantum": st.integers(1, 8),
     "max_verify_tokens_total": st.integers(0, 12),
+    "num_state_slots": st.sampled_from([0, 0, 2, 6]),      # hybrid: state rolls back, checkpoints
 })
 OPS = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "step", "step", "cancel",
                                           "pause", "resume", "fail_row"]),
@@ -328,9 +362,9 @@ OPS = st.lists(st.tuples(st.sampled_from(["add", "add", "step", "step", "step", 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=CONFIGS, ops=OPS, k=st.integers(1, 6), error=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
-       prefix_cache=st.booleans())
-def test_random_workloads_with_random_acceptance_keep_the_invariants(cfg, ops, k, error, prefix_cache):
-    sched, engine, clock = make_scheduler(vocab=50, speculator=_oracle(k, error), prefix_cache=prefix_cache,
+       prefix_cache=st.booleans(), draft=st.booleans())
+def test_random_workloads_with_random_acceptance_keep_the_invariants(cfg, ops, k, error, prefix_cache, draft):
+    sched, engine, clock = make_scheduler(vocab=50, prefix_cache=prefix_cache, **_speculating(k, error, draft),
                                           **cfg)
     execute = engine.execute
 
@@ -338,13 +372,15 @@ def test_random_workloads_with_random_acceptance_keep_the_invariants(cfg, ops, k
         check_plan(plan, {r.id for r in sched._running if r.state is RequestState.DECODE})
         held = {row.request_id: tuple(sched.get(row.request_id).block_ids) for row in plan.rows}
         owned = [b for ids in held.values() for b in ids]
-        assert len(owned) == len(set(owned)), "two rows share a block"
+        cache = sched._kv.blocks.cache
+        assert all(cache is not None and cache.is_cached(b) for b in set(owned) if owned.count(b) > 1), \
+            "two rows share a block the prefix cache does not hold"
         result = execute(plan)
         # the engine's tables are exactly the blocks the requests hold: it never writes a freed one
         assert engine.tables[-1] == held
         return result
 
-    engine.execute = checked_execute
+    engine.execute = _loud(checked_execute)
     added = []
     for op, seed in ops:
         pick = added[seed % len(added)] if added else "none"
@@ -377,20 +413,23 @@ def test_random_workloads_with_random_acceptance_keep_the_invariants(cfg, ops, k
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(block_size=st.sampled_from([1, 2, 4]), spare_blocks=st.integers(0, 6), max_rows=st.integers(2, 4),
        k=st.integers(1, 6), error=st.sampled_from([0.0, 0.3, 1.0]),
-       specs=st.lists(st.tuples(st.integers(1, 10), st.integers(1, 20)), min_size=2, max_size=5))
-def test_speculation_and_preemption_never_change_outputs(block_size, spare_blocks, max_rows, k, error, specs):
+       specs=st.lists(st.tuples(st.integers(1, 10), st.integers(1, 20)), min_size=2, max_size=5),
+       draft=st.booleans(), slots=st.sampled_from([0, 6]))
+def test_speculation_and_preemption_never_change_outputs(block_size, spare_blocks, max_rows, k, error, specs,
+                                                         draft, slots):
     num_blocks = max(-(-n // block_size) + 1 for n, _ in specs) + spare_blocks
-    tight, sched, _ = _run(specs, _oracle(k, error), block_size=block_size, num_blocks=num_blocks,
-                           max_rows=max_rows, max_verify_tokens_total=12)
+    tight, sched, _ = _run(specs, block_size=block_size, num_blocks=num_blocks, max_rows=max_rows,
+                           max_verify_tokens_total=12, num_state_slots=slots, **_speculating(k, error, draft))
     roomy, _, _ = _run(specs, block_size=block_size, num_blocks=200, max_rows=1)
     for (got, reason), (want, _) in zip(tight, roomy):     # a tight pool clamps max_tokens
         assert got == want[:len(got)] and reason is not None
 
 
-def test_preempted_speculating_requests_give_the_same_outputs():
+@pytest.mark.parametrize("draft", [False, True])
+def test_preempted_speculating_requests_give_the_same_outputs(draft):
     specs = [(6, 20), (5, 20), (7, 20)]
-    got, sched, _ = _run(specs, _oracle(4, 0.3), block_size=2, num_blocks=14, max_rows=3,
-                         max_verify_tokens_total=12)
+    got, sched, _ = _run(specs, block_size=2, num_blocks=14, max_rows=3, max_verify_tokens_total=12,
+                         **_speculating(4, 0.3, draft))
     st = sched.stats()
     assert st.preemptions_total > 0 and 0 < st.spec_accepted_tokens_total < st.spec_proposed_tokens_total
     assert got == _run(specs, block_size=2, num_blocks=200, max_rows=1)[0]

@@ -283,3 +283,43 @@ def test_causal_conv1d_matches_reference_and_updates_slots(dtype, apply_silu, bl
     out = _run("causal_conv1d", x, weight, state, qsl, slots, apply_silu, block_t=block_t)
     _close(out, expected, dtype)
     assert torch.equal(state, expected_state)          # the state is a copy of inputs: exact
+
+
+# rows recording per-token checkpoints (speculative rollback): a 3-token row, a decode row, an empty row,
+# a slotless row (records nothing), a 6-token row over two conv tiles of 4; rows 1's -1 records nothing
+CK_LENGTHS, CK_START, CK_SIZE = [3, 1, 0, 5, 1, 6], [0, -1, 3, 4, 9, 10], 17
+
+
+def _recorded(name: str, reference, args: tuple, state: torch.Tensor, flags: tuple, **kwargs):
+    """The kernel and the reference on the same rows with checkpoints: (outputs, states, checkpoints) each."""
+    qsl, slots = _qsl(CK_LENGTHS), torch.tensor(SLOTS, dtype=torch.int32)
+    first = torch.tensor(CK_START, dtype=torch.int32)
+    checkpoints = torch.full((CK_SIZE, *state.shape[1:]), 7.0, dtype=state.dtype)
+    want_state, want_checkpoints = state.clone(), checkpoints.clone()
+    want = reference(*args, want_state, qsl, slots, *flags, want_checkpoints, first)
+    got = _run(name, *args, state, qsl, slots, *flags, checkpoints, first, **kwargs)
+    return (got, want), (state, want_state), (checkpoints, want_checkpoints)
+
+
+@pytest.mark.parametrize("dtype, l2norm", [(torch.float32, True), (torch.bfloat16, False)])
+def test_gated_delta_rule_records_checkpoints_like_the_reference(dtype, l2norm):
+    inputs = _delta_inputs(sum(CK_LENGTHS) + 2, dtype, seed=12)
+    pool = torch.randn(5, 4, 12, 10, generator=_gen(13))
+    out, states, checkpoints = _recorded("gated_delta_rule", reference_gated_delta_rule, inputs, pool, (l2norm,),
+                                         chunk=16)
+    _close(*out, dtype)
+    for got, want in (states, checkpoints):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (checkpoints[0][16] == 7).all()
+
+
+@pytest.mark.parametrize("block_t", [None, 4])
+def test_causal_conv1d_records_checkpoints_like_the_reference(block_t):
+    g = _gen(14)
+    x = torch.randn(sum(CK_LENGTHS) + 2, 20, generator=g)
+    weight = torch.randn(20, 4, generator=g)
+    state = torch.randn(5, 20, 3, generator=g)
+    out, states, checkpoints = _recorded("causal_conv1d", reference_causal_conv1d, (x, weight), state, (True,),
+                                         block_t=block_t)
+    _close(*out, torch.float32)
+    assert torch.equal(*states) and torch.equal(*checkpoints)      # copies of inputs: exact

@@ -234,9 +234,12 @@ def make_hybrid_checkpoint(
     vocab: int | None = None,
     max_pos: int = 512,
     seed: int = 0,
+    embed_scale: float = 1.0,
 ) -> Path:
     """Write a random checkpoint of a hybrid (Gated DeltaNet + gated attention) or MoE architecture.
-    `mlp_only_layers`: Qwen3-Next's layers with a dense MLP (llama.cpp's qwen3next has none)."""
+    `mlp_only_layers`: Qwen3-Next's layers with a dense MLP (llama.cpp's qwen3next has none).
+    `embed_scale` (with `tied`) scales the embeddings up: the residual stream then leans towards the
+    current token, so greedy output runs in repeats that n-gram lookup proposes and sometimes leaves."""
     import transformers
 
     if arch not in HYBRID_ARCHITECTURES:
@@ -275,6 +278,8 @@ def make_hybrid_checkpoint(
         config = text_config
     model = getattr(transformers, model_name)(config)
     _randomise_hybrid(model, seed, arch in _ZERO_CENTRED)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(embed_scale)
     model.save_pretrained(directory, safe_serialization=True)
     if arch == "qwen3_5_vl":
         # as in the real releases: only the top level says whether the embeddings are tied

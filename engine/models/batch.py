@@ -15,3 +15,6 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # int32 [B + 1]
     context_lens: torch.Tensor     # int32 [B]: cached prefix + this step's tokens
     logits_indices: torch.Tensor   # int64 [S]: flat index of each sampling row's last token
+    # hybrid models' verify rows record their recurrent state after each token (engine/state_rollback.py)
+    checkpoint_start: torch.Tensor | None = None     # int32 [B]: a row's first checkpoint, -1 = none
+    state_checkpoints: list | None = None            # per linear-attention layer: (conv, ssm) scratch

@@ -55,19 +55,23 @@ class GatedDeltaNet:
         self.out_w = linears.assemble([(prefix + "out_proj.weight", h, self.value_dim)])
         self.tensors = [self.in_w, self.conv_w, self.dt_bias, self.neg_a, self.norm_w, self.out_w]
 
-    def __call__(self, x: torch.Tensor, batch: ForwardBatch, state, state_slots: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, state, state_slots: torch.Tensor,
+                 checkpoints=None) -> torch.Tensor:
+        """`checkpoints`: this layer's (conv, ssm) scratch where `batch.checkpoint_start` rows record their
+        state after each token, or None."""
         cfg, t = self.cfg, x.shape[0]
         conv_state, ssm_state = state
+        conv_ck, ssm_ck = checkpoints or (None, None)
         qkv, z, b, a = linear(x, self.in_w).split([self.conv_dim, self.value_dim, self.v_heads, self.v_heads], -1)
         qkv = pagedserve.causal_conv1d(qkv.contiguous(), self.conv_w, conv_state, batch.query_start_loc,
-                                       state_slots, True)
+                                       state_slots, True, conv_ck, batch.checkpoint_start)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         k = k.reshape(t, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         v = v.reshape(t, self.v_heads, cfg.linear_value_head_dim)
         decay = self.neg_a * F.softplus(a.float() + self.dt_bias)
         o = pagedserve.gated_delta_rule(q, k, v, decay, torch.sigmoid(b), ssm_state, batch.query_start_loc,
-                                        state_slots, True)
+                                        state_slots, True, ssm_ck, batch.checkpoint_start)
         # gated RMSNorm: scale the normalised output by silu(z), in fp32, per value head
         o = pagedserve.rms_norm(o, self.norm_w, cfg.rms_norm_eps)
         o = (o * F.silu(z.reshape(t, self.v_heads, -1).float())).to(x.dtype)

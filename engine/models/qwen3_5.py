@@ -92,13 +92,15 @@ class HybridDecoder:
         x = embedding(batch.input_ids, self.embed, self.dtype)
         residual = x
         h = pagedserve.rms_norm(x, self.layers[0].ln1, eps)
+        checkpoints = batch.state_checkpoints
         for i, layer in enumerate(self.layers):
             if i:
                 h, residual = pagedserve.add_rms_norm(x, residual, layer.ln1, eps)
             if layer.attention is not None:
                 x = layer.attention(h, batch, kv_layers[layer.cache_index], self.cos_sin)
             else:
-                x = layer.linear(h, batch, state_layers[layer.cache_index], state_slots)
+                x = layer.linear(h, batch, state_layers[layer.cache_index], state_slots,
+                                 None if checkpoints is None else checkpoints[layer.cache_index])
             h, residual = pagedserve.add_rms_norm(x, residual, layer.ln2, eps)
             x = layer.mlp(h)
         # only the sampling rows need the final norm and the vocabulary projection

@@ -4,7 +4,9 @@ A program owns one row, one value head and a block of BLOCK_V value columns of t
 state, which it keeps in registers from the row's first token to its last (columns of the state are
 independent, so programs never share state memory). Per token, with q, k optionally L2-normalised and q
 scaled by Dk^-0.5:  S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q.
-A decode row (one token) takes that step once. Longer rows go CHUNK tokens at a time in the chunked
+A decode row (one token) takes that step once, and so does each token of a row that records checkpoints
+(speculative verify rows, a few tokens: the state after each token is stored). Longer rows go CHUNK tokens
+at a time in the chunked
 (WY / UT-transform) form of `ops.gated_delta_rule._chunked`: the chunk's delta-rule updates form a unit
 lower-triangular system; solving it once gives every token's corrected value, and the rest is matmuls.
 The last chunk of a row is masked (k = beta = g = 0 past the row's end, which changes nothing).
@@ -35,11 +37,14 @@ def _unit_rows(ptrs, mask, L2NORM: tl.constexpr):
 
 
 @triton.jit
-def _gated_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, qsl_ptr, slot_ptr, scale,
+def _gated_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, qsl_ptr, slot_ptr,
+                             ckpt_ptr, ckpt_start_ptr, scale,
                              stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                              stride_gt, stride_bt, stride_ss, stride_sh, stride_sk, stride_ot, stride_oh,
+                             stride_cks, stride_ckh, stride_ckk,
                              GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr,
-                             BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, L2NORM: tl.constexpr):
+                             BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, L2NORM: tl.constexpr,
+                             CHECKPOINTS: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + row).to(tl.int64)
@@ -59,17 +64,25 @@ def _gated_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ou
     k_rows = k_ptr + (h // GROUP) * stride_kh + kd[None, :]
     v_rows = v_ptr + h * stride_vh + vd[None, :]
     o_rows = out_ptr + h * stride_oh + vd[None, :]
+    ckpt = tl.full([], -1, tl.int64)
+    if CHECKPOINTS:
+        ckpt = tl.load(ckpt_start_ptr + row).to(tl.int64)
 
-    if end - start == 1:
-        # a decode row: one recurrent step, where a chunk would pad its token to CHUNK
-        q = _unit_rows(q_rows + start * stride_qt, kd_ok[None, :], L2NORM) * scale
-        k = tl.trans(_unit_rows(k_rows + start * stride_kt, kd_ok[None, :], L2NORM))     # [DK_PAD, 1]
-        v = tl.load(v_rows + start * stride_vt, mask=vd_ok[None, :], other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + start * stride_bt + h).to(tl.float32)
-        state = state * tl.exp(tl.load(g_ptr + start * stride_gt + h).to(tl.float32))
-        state = state + k * (beta * (v - tl.sum(state * k, 0, keep_dims=True)))
-        o = tl.sum(state * tl.trans(q), 0, keep_dims=True)
-        tl.store(o_rows + start * stride_ot, o.to(out_ptr.dtype.element_ty), mask=vd_ok[None, :])
+    if (end - start == 1) | (ckpt >= 0):
+        # a decode row, or a row recording its states: recurrent steps (a chunk would pad them to CHUNK)
+        ck_ptrs = ckpt_ptr + ckpt * stride_cks + h * stride_ckh + kd[:, None] * stride_ckk + vd[None, :]
+        for t in range(start, end):
+            q = _unit_rows(q_rows + t * stride_qt, kd_ok[None, :], L2NORM) * scale
+            k = tl.trans(_unit_rows(k_rows + t * stride_kt, kd_ok[None, :], L2NORM))     # [DK_PAD, 1]
+            v = tl.load(v_rows + t * stride_vt, mask=vd_ok[None, :], other=0.0).to(tl.float32)
+            beta = tl.load(beta_ptr + t * stride_bt + h).to(tl.float32)
+            state = state * tl.exp(tl.load(g_ptr + t * stride_gt + h).to(tl.float32))
+            state = state + k * (beta * (v - tl.sum(state * k, 0, keep_dims=True)))
+            o = tl.sum(state * tl.trans(q), 0, keep_dims=True)
+            tl.store(o_rows + t * stride_ot, o.to(out_ptr.dtype.element_ty), mask=vd_ok[None, :])
+            if CHECKPOINTS:
+                if ckpt >= 0:
+                    tl.store(ck_ptrs + (t - start) * stride_cks, state, mask=s_ok)
     else:
         c = tl.arange(0, CHUNK)
         causal = c[:, None] >= c[None, :]
@@ -109,7 +122,8 @@ def _gated_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ou
 
 
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
-                     query_start_loc: Tensor, state_slots: Tensor, use_qk_l2norm: bool, *,
+                     query_start_loc: Tensor, state_slots: Tensor, use_qk_l2norm: bool,
+                     checkpoints: Tensor | None = None, checkpoint_start: Tensor | None = None, *,
                      chunk: int = CHUNK) -> Tensor:
     """Same contract as `pagedserve::gated_delta_rule` (mutates `state_pool` at the rows' slots). `chunk`
     (see CHUNK) only changes speed."""
@@ -121,10 +135,14 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s
     if num_rows == 0 or num_tokens == 0:
         return out
     block_v = min(_BLOCK_V, pow2(dv, _MIN_DOT))
+    record = checkpoints is not None
+    ckpt = checkpoints if record else state_pool             # not read without CHECKPOINTS
     launchable(_gated_delta_rule_kernel)[(num_rows, heads_v, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, state_pool, out, query_start_loc, state_slots, dk ** -0.5,
+        q, k, v, g, beta, state_pool, out, query_start_loc, state_slots, ckpt,
+        checkpoint_start if record else state_slots, dk ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), out.stride(0), out.stride(1),
+        ckpt.stride(0), ckpt.stride(1), ckpt.stride(2),
         GROUP=heads_v // heads_k, DK=dk, DV=dv, DK_PAD=pow2(dk, _MIN_DOT), BLOCK_V=block_v, CHUNK=chunk,
-        L2NORM=use_qk_l2norm)
+        L2NORM=use_qk_l2norm, CHECKPOINTS=record)
     return out

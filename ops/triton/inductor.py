@@ -36,8 +36,8 @@ _OPS: dict[str, tuple[CustomOpDef, Callable, tuple[str, ...]]] = {
     "add_rms_norm": (ops.rms_norm.add_rms_norm, add_rms_norm, ()),
     "rotary": (ops.rotary.rotary, rotary, ()),
     "silu_and_mul": (ops.silu_and_mul.silu_and_mul, silu_and_mul, ()),
-    "gated_delta_rule": (ops.gated_delta_rule.gated_delta_rule, gated_delta_rule, ("state_pool",)),
-    "causal_conv1d": (ops.causal_conv1d.causal_conv1d, causal_conv1d, ("conv_state",)),
+    "gated_delta_rule": (ops.gated_delta_rule.gated_delta_rule, gated_delta_rule, ("state_pool", "checkpoints")),
+    "causal_conv1d": (ops.causal_conv1d.causal_conv1d, causal_conv1d, ("conv_state", "checkpoints")),
 }
 _exposed = False
 
