@@ -4,12 +4,14 @@ proposes the tokens of the rows asking for them (PlanRow.draft_k), in the step t
 Its K/V sits in a pool of its own under the target's block ids, so a request's blocks hold both
 models' K/V: the scheduler's one block accounting serves both, and the draft's K/V goes back with
 the blocks. The draft reads a request's tokens only when the request asks for proposals: until
-then they wait in a backlog (from a fresh row on, its cached prefix first: `cached_token_ids`),
-so steps without proposals, e.g. a full batch on a CPU, cost nothing more than without a draft.
+then they wait in a backlog (from a fresh row on, the part of its cached prefix whose blocks the
+draft has not read: `cached_token_ids`), so steps without proposals, e.g. a full batch on a CPU,
+cost nothing more than without a draft. A block whose every position the draft read stays valid
+for it until the block is handed out again, so a prompt cached with the draft's K/V is not reread.
 A step reads at most `read_per_step` backlog tokens; a row still catching up gets no proposals.
-Then the draft proposes greedily, one token per row and forward. A greedy proposal keeps the
-verification exact for random draws too: the rule for a point-mass proposal
-(engine/speculation.py) holds whatever chose the point.
+Then the draft proposes greedily, one token per row and forward, while it is sure (`p_min`). A
+greedy proposal keeps the verification exact for random draws too: the rule for a point-mass
+proposal (engine/speculation.py) holds whatever chose the point.
 
 A hybrid draft keeps its recurrent state in a state pool of its own: a slot per row of the
 runner's persistent batch (a fresh row resets it and reads from position 0), then as many scratch
@@ -31,6 +33,9 @@ from engine.plan_ledger import RowRecord
 from engine.speculation import accepted_run
 
 BatchOf = Callable[[list[PlanRow], list[RowRecord]], ForwardBatch]
+# A row stops proposing at the first token the draft gives less than this probability: each
+# proposal costs a draft forward, and the unsure ones are mostly rejected (llama.cpp's --draft-p-min)
+P_MIN = 0.75
 
 
 @dataclass
@@ -43,28 +48,39 @@ class _Backlog:
 
 class DraftModel:
     def __init__(self, model: DecoderModel, pool: KVPool, read_per_step: int,
-                 state_pool: StatePool | None = None) -> None:
+                 state_pool: StatePool | None = None, p_min: float = P_MIN) -> None:
         self.model = model
+        self.p_min = p_min
         self.pool = pool
         self.read_per_step = read_per_step
         self.state_pool = state_pool        # hybrid drafts: 2 x max_rows slots (own, then scratch)
         self._scratch = None if state_pool is None else state_pool.num_slots // 2
         self._backlog: dict[str, _Backlog] = {}
         self._read: dict[str, int] = {}         # this step: tokens read from backlog + row
+        self._valid: set[int] = set()           # blocks whose K/V the draft read whole
 
-    def _greedy(self, batch: ForwardBatch, slots: list[int]) -> list[int]:
+    def _greedy(self, batch: ForwardBatch, slots: list[int]) -> list[tuple[int, float]]:
+        """Each sampling row's most likely next token and its probability."""
         if self.state_pool is None:
             hidden = self.model.forward(batch, self.pool.layers)
         else:
             index = torch.tensor(slots, dtype=torch.int32).to(batch.input_ids.device)
             hidden = self.model.forward(batch, self.pool.layers, self.state_pool.layers, index)
-        return self.model.logits(hidden).argmax(-1).tolist()
+        probs, tokens = self.model.logits(hidden).softmax(-1).max(-1)
+        return list(zip(tokens.tolist(), probs.tolist()))
 
     def _log(self, row: PlanRow, rec: RowRecord) -> _Backlog:
+        bs = self.pool.shape.block_size
+        below = row.start_pos // bs         # blocks wholly before the row: a fresh row's cached prefix
+        self._valid.difference_update(rec.block_table[below:] if row.fresh else row.new_blocks)   # handed out
         log = self._backlog.get(row.request_id)
         if row.fresh or log is None or log.start + len(log.tokens) != row.start_pos:
-            cached = list(row.cached_token_ids)
-            log = self._backlog[row.request_id] = _Backlog(row.start_pos - len(cached), cached)
+            # a dense draft resumes after the leading blocks it read whole; a recurrent state cannot
+            lead = 0
+            while self.state_pool is None and lead < below and rec.block_table[lead] in self._valid:
+                lead += 1
+            start = max(lead * bs, row.start_pos - len(row.cached_token_ids))
+            log = self._backlog[row.request_id] = _Backlog(start, list(row.cached_token_ids[start:]))
             if self.state_pool is not None:
                 self.state_pool.reset(rec.index)
         return log
@@ -91,31 +107,40 @@ class DraftModel:
             read_recs.append(rec)
             if caught_up:
                 drafting.append((len(reads) - 1, row))
-        proposals: dict[str, list[int]] = {}
+        proposals: dict[str, list[int]] = {row.request_id: [] for _, row in drafting}
         if reads:
             drawn = self._greedy(batch_of(reads, read_recs), [rec.index for rec in read_recs])
-            proposals = {row.request_id: [t] for (_, row), t in zip(drafting, drawn)}
+            for (_, row), (t, p) in zip(drafting, drawn):
+                if p >= self.p_min:
+                    proposals[row.request_id].append(t)
         scratch = {}
         if self.state_pool is not None:
             for n, (i, row) in enumerate(drafting):
                 scratch[row.request_id] = self._scratch + n
                 self.state_pool.copy(read_recs[i].index, self._scratch + n)
         for step in range(1, max((row.draft_k for _, row in drafting), default=0)):
-            ahead = [(i, row) for i, row in drafting if row.draft_k > step]
+            # rows still confident after `step` proposals
+            ahead = [(i, row) for i, row in drafting if row.draft_k > step == len(proposals[row.request_id])]
+            if not ahead:
+                break
             feeds = [replace(reads[i], token_ids=(proposals[row.request_id][-1],), start_pos=row.start_pos + step)
                      for i, row in ahead]
             slots = [scratch.get(row.request_id) for _, row in ahead]
-            for (_, row), t in zip(ahead, self._greedy(batch_of(feeds, [read_recs[i] for i, _ in ahead]), slots)):
-                proposals[row.request_id].append(t)
+            drawn = self._greedy(batch_of(feeds, [read_recs[i] for i, _ in ahead]), slots)
+            for (_, row), (t, p) in zip(ahead, drawn):
+                if p >= self.p_min:
+                    proposals[row.request_id].append(t)
                 if self.state_pool is None:     # a hybrid draft's slot read none of its proposals
                     self._read[row.request_id] += 1
         return [row.with_proposals(tuple(proposals.get(row.request_id, ()))) if row.draft_k else row
                 for row in rows]
 
-    def seen(self, rows: list[PlanRow], drawn: dict[str, RowOutput]) -> None:
+    def seen(self, rows: list[PlanRow], records: list[RowRecord], drawn: dict[str, RowOutput]) -> None:
         """After the target's draws: each backlog gains the row's real tokens (a verify row's are
-        real up to its first rejected proposal) and loses what the draft read of them."""
-        for row in rows:
+        real up to its first rejected proposal) and loses what the draft read of them; the blocks
+        it has now read whole become valid."""
+        bs = self.pool.shape.block_size
+        for row, rec in zip(rows, records):
             log = self._backlog.get(row.request_id)
             if log is None:
                 continue
@@ -123,6 +148,7 @@ class DraftModel:
             real = len(accepted_run(row, out)) if row.num_draft and out is not None else len(row.token_ids)
             stream = log.tokens + list(row.token_ids[:real])
             read = min(self._read.get(row.request_id, 0), len(stream))
+            self._valid.update(rec.block_table[log.start // bs:(log.start + read) // bs])
             log.start, log.tokens = log.start + read, stream[read:]
 
     def forget(self, request_id: str) -> None:

@@ -222,5 +222,5 @@ class ModelRunner:
             else:
                 outputs.append(RowOutput(r.request_id))
         if self.draft is not None:
-            self.draft.seen(list(fed.values()), {o.request_id: o for o in outputs})
+            self.draft.seen(list(fed.values()), [rec for _, rec in ok], {o.request_id: o for o in outputs})
         return StepResult(plan.step, tuple(outputs))

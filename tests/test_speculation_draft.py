@@ -30,10 +30,14 @@ def stranger(tiny_checkpoint):
                                seed=5))
 
 
-def _llm(path, **kw):
+def _llm(path, p_min=0.0, **kw):
+    """p_min 0: a random tiny model is never as sure of a token as a real draft is."""
     kw.setdefault("kv_pool_tokens", 4096)
     kw.setdefault("max_model_len", 256)
-    return LLM(model=path, dtype="float32", **kw)
+    llm = LLM(model=path, dtype="float32", **kw)
+    if llm.engine.draft is not None:
+        llm.engine.draft.p_min = p_min
+    return llm
 
 
 def _ids(outs):
@@ -78,17 +82,34 @@ def test_the_draft_reads_only_for_rows_that_ask_and_catches_up_in_chunks(target)
     assert _rates(on)[1] >= 0.9 * _rates(on)[0] > 0
 
 
-def test_a_prefix_cached_before_the_draft_read_it_is_read_from_the_plan(target):
+def test_a_cached_prefix_is_read_by_the_draft_once(target):
     """A prompt computed without proposals (one token: no decode step) leaves no draft K/V in its
-    blocks; the request that later hits them gets the cached tokens in its fresh row and reads them."""
+    blocks: the request that later hits them gets the cached tokens in its fresh row and the draft
+    reads them. A third request on the same prompt finds those blocks read and skips them."""
     on = _llm(target, draft_model=target)
+    draft = on.engine.draft
+    read, greedy = [], draft._greedy
+    draft._greedy = lambda batch, slots: read.append(batch.input_ids.numel()) or greedy(batch, slots)
     on.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=1))
     plans = record_plans(on.engine)
-    assert _ids(on.generate([PROMPTS[2]], GREEDY)) == _ids(_llm(target).generate([PROMPTS[2]], GREEDY))
+    want = _ids(_llm(target).generate([PROMPTS[2]], GREEDY))
+    assert _ids(on.generate([PROMPTS[2]], GREEDY)) == want
     fresh = plans[0][0].rows[0]
     assert fresh.start_pos >= 32 and fresh.cached_token_ids == tuple(PROMPTS[2][:fresh.start_pos])
+    assert read[0] > fresh.start_pos            # the cached prefix, then the row's own tokens
     proposed, accepted = _rates(on)
     assert proposed > 20 and accepted >= 0.9 * proposed
+    read.clear()
+    assert _ids(on.generate([PROMPTS[2]], GREEDY)) == want
+    assert read[0] <= len(PROMPTS[2]) - fresh.start_pos + 16 and _rates(on)[1] > accepted
+
+
+def test_a_row_stops_proposing_at_the_first_token_the_draft_is_unsure_of(target):
+    unsure = _llm(target, draft_model=target, p_min=1.01)      # no token is that likely
+    plans = record_plans(unsure.engine)
+    assert _ids(unsure.generate(PROMPTS[:1], GREEDY)) == _ids(_llm(target).generate(PROMPTS[:1], GREEDY))
+    assert any(r.draft_k for p, _ in plans for r in p.rows) and _rates(unsure) == (0, 0)
+    assert all(not o.proposals and not o.verify for _, res in plans for o in res.rows)
 
 
 def test_an_unrelated_draft_is_rejected_and_changes_no_greedy_output(target, stranger):
