@@ -53,14 +53,19 @@ def _hf_greedy(hf, ids: list[int]) -> list[int]:
     return out
 
 
-@pytest.mark.usefixtures("cpp_kernels")
-def test_16_bit_kv_greedy_tokens_mostly_equal_fp32_kv(tiny_checkpoint, record_property):
+def _model_and_prompts(tiny_checkpoint):
+    """A tiny fp32 model and PROMPTS random prompts of 20 to 90 tokens, the same every time."""
     path = tiny_checkpoint("qwen3", tied=False, heads=8, kv_heads=2, head_dim=64, layers=3)
     ckpt = open_checkpoint(path)
     model = DenseDecoder(parse_model_config(ckpt.config), ckpt, torch.float32, CPU)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 400, (int(n),), generator=g).tolist()
-               for n in torch.randint(20, 90, (PROMPTS,), generator=g)]
+    return path, model, [torch.randint(0, 400, (int(n),), generator=g).tolist()
+                         for n in torch.randint(20, 90, (PROMPTS,), generator=g)]
+
+
+@pytest.mark.usefixtures("cpp_kernels")
+def test_16_bit_kv_greedy_tokens_mostly_equal_fp32_kv(tiny_checkpoint, record_property):
+    path, model, prompts = _model_and_prompts(tiny_checkpoint)
     reference = [_greedy(model, torch.float32, p) for p in prompts]
     assert reference[0] == _hf_greedy(hf_model(path), prompts[0])      # the loop itself is exact
     for name, kv_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
@@ -82,12 +87,7 @@ QUANT_LOGIT_BOUND = {"q8_0": 0.1, "q4_0": 1.5}
 
 @pytest.mark.usefixtures("cpp_kernels")
 def test_quantized_kv_logits_stay_close_to_fp32_kv(tiny_checkpoint, record_property):
-    path = tiny_checkpoint("qwen3", tied=False, heads=8, kv_heads=2, head_dim=64, layers=3)
-    ckpt = open_checkpoint(path)
-    model = DenseDecoder(parse_model_config(ckpt.config), ckpt, torch.float32, CPU)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 400, (int(n),), generator=g).tolist()
-               for n in torch.randint(20, 90, (PROMPTS,), generator=g)]
+    path, model, prompts = _model_and_prompts(tiny_checkpoint)
     tokens = [_greedy(model, torch.float32, p) for p in prompts]
     reference = [_greedy(model, torch.float32, p, feed=t) for p, t in zip(prompts, tokens)]
     for fmt, bound in QUANT_LOGIT_BOUND.items():

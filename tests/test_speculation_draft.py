@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from fake_engine import record_plans
+from test_speculation_models import _ids, arriving_mid_run
+from test_speculation_models import _verified as _rates
 from tiny_models import hf_model
 
 from engine import LLM, SamplingParams
@@ -38,15 +40,6 @@ def _llm(path, p_min=0.0, **kw):
     if llm.engine.draft is not None:
         llm.engine.draft.p_min = p_min
     return llm
-
-
-def _ids(outs):
-    return [o.token_ids for o in outs]
-
-
-def _rates(llm) -> tuple[int, int]:
-    st = llm.engine.scheduler.stats()
-    return st.spec_proposed_tokens_total, st.spec_accepted_tokens_total
 
 
 def test_a_self_draft_is_accepted_and_changes_no_greedy_output(target):
@@ -121,13 +114,7 @@ def test_an_unrelated_draft_is_rejected_and_changes_no_greedy_output(target, str
 
 def test_a_prefill_arriving_mid_run_and_preemption_keep_greedy_output(target, stranger):
     def run(llm):
-        loop = llm.engine.loop
-        first = loop.submit(PROMPTS[0], GREEDY, bounded=False)
-        for _ in range(6):
-            loop.run_once()
-        rest = [loop.submit(p, GREEDY, bounded=False) for p in PROMPTS[1:]]
-        loop.run_until_idle()
-        return [h.result().token_ids for h in [first, *rest]]
+        return arriving_mid_run(llm, PROMPTS, GREEDY)
 
     alone = _ids(_llm(target).generate(PROMPTS, GREEDY))
     mid = _llm(target, draft_model=target)

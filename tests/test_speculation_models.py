@@ -60,15 +60,20 @@ def test_greedy_output_is_the_same_with_speculation_solo_and_batched(model_path)
     assert on.engine.scheduler.stats().blocks_used == 0
 
 
+def arriving_mid_run(llm, prompts, params) -> list[list[int]]:
+    """The first prompt alone for a few steps, then the others arrive; every reply's tokens."""
+    loop = llm.engine.loop
+    first = loop.submit(prompts[0], params, bounded=False)
+    for _ in range(6):
+        loop.run_once()
+    rest = [loop.submit(p, params, bounded=False) for p in prompts[1:]]
+    loop.run_until_idle()
+    return [h.result().token_ids for h in [first, *rest]]
+
+
 def test_a_prefill_arriving_mid_run_and_preemption_keep_greedy_output(model_path):
     def run(llm):
-        loop = llm.engine.loop
-        first = loop.submit(PROMPTS[0], GREEDY, bounded=False)
-        for _ in range(6):
-            loop.run_once()
-        rest = [loop.submit(p, GREEDY, bounded=False) for p in PROMPTS[1:]]
-        loop.run_until_idle()
-        return [h.result().token_ids for h in [first, *rest]]
+        return arriving_mid_run(llm, PROMPTS, GREEDY)
 
     alone = _ids(_llm(model_path).generate(PROMPTS, GREEDY))
     mid = _llm(model_path, speculative="ngram")
