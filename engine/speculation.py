@@ -99,14 +99,13 @@ class Speculator:
             if budget <= 0:
                 break
             draft = self._draft(req, budget)
-            if draft:
+            wanted = draft if isinstance(draft, int) else len(draft)
+            if wanted:
                 fed = req.num_computed_tokens + 1
-                wanted = draft if isinstance(draft, int) else len(draft)
-                covered = cover(req, fed + wanted) - fed
-                draft = min(draft, covered) if isinstance(draft, int) else draft[:covered]
-            if draft:
-                drafts[req.id] = draft
-                budget -= draft if isinstance(draft, int) else len(draft)
+                n = min(wanted, cover(req, fed + wanted) - fed)
+                if n > 0:
+                    drafts[req.id] = n if isinstance(draft, int) else draft[:n]
+                    budget -= n
         return drafts
 
     def _draft(self, req: Request, budget: int) -> Proposal:
