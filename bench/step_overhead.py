@@ -7,6 +7,7 @@ It imports `engine` from `--checkout`, so the same file measures an old commit i
     git worktree add /tmp/old <commit>
     .venv/bin/python bench/step_overhead.py --checkout /tmp/old --json     # one JSON line
     .venv/bin/python bench/step_overhead.py                                # this checkout, a table
+    .venv/bin/python bench/step_overhead.py --engine overlap_scheduling=on  # an engine config key set
 
 Every stream has a prompt of its own (no prefix sharing, so each row's K/V is its own and attention
 really reads it from memory). `kv_read_ms` is the K/V those rows read per step at `--bandwidth-gbs`
@@ -34,6 +35,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60, help="timed steps per case (after 5 warm-up steps)")
     p.add_argument("--bandwidth-gbs", type=float, default=0.0,
                    help="memory read bandwidth for kv_read_ms (default: measured, fp32 read)")
+    p.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="engine config keys for every case, e.g. overlap_scheduling=on")
     p.add_argument("--json", action="store_true", help="one JSON line instead of a table")
     return p.parse_args(argv)
 
@@ -49,15 +52,16 @@ def ensure_model(path: Path | None) -> Path:
     return path
 
 
-def measure(model: Path, streams: int, context: int, steps: int) -> list[float]:
-    """Seconds per loop iteration over `steps` decode steps with `streams` rows at ~`context` tokens."""
+def measure(model: Path, streams: int, context: int, steps: int, engine: dict) -> tuple[list[float], int]:
+    """Seconds per loop iteration over `steps` decode steps with `streams` rows at ~`context` tokens,
+    and the K/V bytes one token takes in the engine's cache (its kv_cache_dtype)."""
     from engine.llm import LLM
     from engine.request import SamplingParams
 
     warm, spare = 5, 64          # spare: tokens the first streams make while the others prefill
     reply = warm + steps + spare
     llm = LLM(str(model), dtype="float32", max_concurrency=streams, max_model_len=context + reply,
-              kv_pool_tokens=streams * (context + reply + 32), prefix_cache=False)
+              kv_pool_tokens=streams * (context + reply + 32), prefix_cache=False, **engine)
     loop = llm.engine.loop
     params = SamplingParams(temperature=0.0, max_tokens=reply, ignore_eos=True)
     handles = [loop.submit([(i * 7 + s * 13) % 400 + 10 for i in range(context)], params, bounded=False)
@@ -73,8 +77,9 @@ def measure(model: Path, streams: int, context: int, steps: int) -> list[float]:
         t0 = time.perf_counter()
         loop.run_once()
         times.append(time.perf_counter() - t0)
+    shape = llm.engine.pool.shape
     llm.close()
-    return times
+    return times, shape.bytes_per_block // shape.block_size
 
 
 def main(argv: list[str]) -> None:
@@ -84,11 +89,13 @@ def main(argv: list[str]) -> None:
         from roofline import measure_bandwidth_gb_s
         args.bandwidth_gbs = measure_bandwidth_gb_s()
     sys.path.insert(0, str(args.checkout.resolve()))
+    from engine.config import parse_value
+    engine = {k: parse_value(k, v) for k, v in (kv.split("=", 1) for kv in args.engine)}
     results = []
     for streams in args.streams:
         for context in args.contexts:
-            times = measure(model, streams, context, args.steps)
-            kv_bytes = streams * context * LAYERS * 2 * HEADS * HEAD_DIM * 4
+            times, token_bytes = measure(model, streams, context, args.steps, engine)
+            kv_bytes = streams * context * token_bytes
             results.append(dict(streams=streams, context=context,
                                 step_ms=round(statistics.median(times) * 1e3, 3),
                                 kv_read_ms=round(kv_bytes / (args.bandwidth_gbs * 1e9) * 1e3, 3),

@@ -20,6 +20,7 @@ from engine.loop import EngineLoop
 from engine.models.linear import LinearLoader
 from engine.models.decoder import DecoderModel, build_decoder
 from engine.ngram import NgramProposer
+from engine.overlap_scheduler import OverlapScheduler
 from engine.runner import ModelRunner, PrefillBudget
 from engine.scheduler import Scheduler
 from engine.speculation import DraftProposer, Speculator
@@ -75,6 +76,13 @@ def build_speculator(cfg: EngineConfig) -> Speculator | None:
         return None
     proposer = DraftProposer() if cfg.speculative == "draft" else NgramProposer(cfg.ngram_min, cfg.ngram_max)
     return Speculator(proposer, cfg.num_speculative_tokens)
+
+
+def resolve_overlap(cfg: EngineConfig, device: torch.device) -> bool:
+    """overlap_scheduling resolved: auto = on GPUs, unless speculative decoding needs each step's tokens."""
+    if cfg.overlap_scheduling == "auto":
+        return device.type == "cuda" and cfg.speculative == "none"
+    return cfg.overlap_scheduling == "on"
 
 
 def _open(name: str, dtype: torch.dtype, quantization: str, progress):
@@ -198,8 +206,8 @@ def _build(cfg: EngineConfig, progress) -> Engine:
                          budget=budget, state_pool=state_pool,
                          compile=cfg.compile, fullgraph=whole_graph,
                          graphs=DecodeGraphs if whole_graph and cfg.cuda_graphs else None, draft=draft_model)
-    scheduler = Scheduler(runner, max_waiting=cfg.max_waiting, prefix_cache=cfg.prefix_cache,
-                          speculator=speculator)
+    scheduler = (OverlapScheduler if resolve_overlap(cfg, device) else Scheduler)(
+        runner, max_waiting=cfg.max_waiting, prefix_cache=cfg.prefix_cache, speculator=speculator)
     loop = EngineLoop(scheduler, tokenizer, eos, max_lag_tokens=cfg.client_max_lag_tokens,
                       timeout_s=cfg.client_timeout_s,
                       grammars=GrammarCompiler(tokenizer.to_json(), model_cfg.vocab_size, eos))

@@ -29,6 +29,7 @@ class EngineInfo:
                             # model's K/V under the same blocks
     kv_cache_dtype: str     # what the K/V cache stores, e.g. "bfloat16" (config kv_cache_dtype resolved)
     num_state_slots: int
+    overlap_scheduling: bool    # each step planned while the one before runs (config resolved)
     vocab_size: int         # token ids run from 0 to vocab_size - 1
     sampling_defaults: dict  # the model's generation_config.json temperature, top_p, ...: what an
                              # HTTP request that leaves them out gets
@@ -105,7 +106,7 @@ class EngineClient:
             kv_pool_bytes=e.pool.nbytes + (e.draft.pool.nbytes if e.draft else 0),
             kv_cache_dtype=str(e.pool.shape.dtype).removeprefix("torch."),
             num_state_slots=e.state_pool.num_slots if e.state_pool is not None else 0,
-            vocab_size=e.model_config.vocab_size, sampling_defaults=dict(e.sampling_defaults))
+            overlap_scheduling=e.scheduler.overlapped, vocab_size=e.model_config.vocab_size, sampling_defaults=dict(e.sampling_defaults))
 
     def close(self) -> None:
         """Cancel what is live and stop the loop thread."""

@@ -8,22 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 import platformdirs
 import tomlkit
 
 from engine.atomic_file import write_atomic
 from engine.errors import UserError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - the project runs 3.11, pyproject still admits 3.10
-    import tomli as tomllib
 
 TABLES = ("server", "console")
 
@@ -85,6 +81,7 @@ class EngineConfig:
     num_speculative_tokens: int = _key(5, "an integer between 1 and 32", lambda v: 1 <= v <= 32, "most tokens proposed per request and step")
     ngram_min: int = _key(2, "an integer between 1 and 16", lambda v: 1 <= v <= 16, "shortest run of latest tokens the ngram proposer looks up")
     ngram_max: int = _key(4, "an integer between 1 and 16, >= ngram_min", lambda v: 1 <= v <= 16, "longest run looked up (tried first)")
+    overlap_scheduling: str = _choice("auto", ("auto", "on", "off"), "plan each step while the one before runs, its drawn tokens left on the device; auto = on GPUs unless speculative decoding is on (it proposes from those tokens); on CPUs a step runs to its end before the next is planned either way")
     state_spare_slots: int = _key(4, "an integer >= 0", lambda v: v >= 0, "extra recurrent-state slots that hold prefix-cache checkpoints (hybrid models)")
     threads: int = _key(0, "an integer >= 0 (0 = all cores)", lambda v: v >= 0, "CPU threads for torch; 0 = all cores")
     max_waiting: int = _key(256, "an integer >= 1", lambda v: v >= 1, "most requests queued before the server answers 503")
@@ -100,6 +97,9 @@ class EngineConfig:
         if (self.speculative == "draft") != bool(self.draft_model):
             problems.append(f'speculative = "{self.speculative}" with draft_model = {self.draft_model!r}: "draft" '
                             'needs a draft_model (e.g. --draft-model qwen2.5-coder-0.5b) and a draft_model needs "draft"')
+        if self.overlap_scheduling == "on" and self.speculative != "none":
+            problems.append(f'overlap_scheduling = "on" with speculative = "{self.speculative}": speculation proposes '
+                            'from the tokens overlap leaves unread; set one of them off')
         if problems:
             raise ConfigError(problems)
 

@@ -11,6 +11,9 @@ draws after each, the scheduler keeps the draws up to the first that differs fro
 and the next row starts after them, dropping the table's blocks the rejected positions needed.
 With a draft model the engine makes the proposals itself: the row asks for `draft_k` of them,
 and the output names the tokens proposed next to the draws that verified them.
+With overlapped scheduling the scheduler plans step N+1 before N's draws are known: a row whose last
+token is N's draw for that request feeds PENDING in its place, which the engine resolves
+from the draws it still holds (on the device), and `launch` starts a step whose result is read later.
 """
 from __future__ import annotations
 
@@ -19,6 +22,9 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from engine.request import SamplingParams
+
+
+PENDING = -1    # a sampling row's last token: the one the engine drew for this request in the plan just before
 
 
 class ContractError(RuntimeError):
@@ -142,9 +148,24 @@ class StepResult:
     error: str | None = None        # a step-level failure: every live request fails, no rows
 
 
+class Launched(Protocol):
+    def result(self) -> StepResult: ...
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A launched step whose result is already known (a synchronous engine, a failed launch)."""
+    value: StepResult
+
+    def result(self) -> StepResult:
+        return self.value
+
+
 class SeqEngine(Protocol):
     def limits(self) -> EngineLimits: ...
     def execute(self, plan: StepPlan) -> StepResult: ...
+    # start a step and return at once; its result is read later (the next plan may be launched first)
+    def launch(self, plan: StepPlan) -> Launched: ...
 
 
 def check_plan(plan: StepPlan, running_decoders: set[str] | frozenset[str] = frozenset()) -> None:
@@ -169,6 +190,9 @@ def check_plan(plan: StepPlan, running_decoders: set[str] | frozenset[str] = fro
             raise ContractError(f"step {plan.step}: fresh row {row.request_id} drops blocks")
         if row.sample and row.sampling is None:
             raise ContractError(f"step {plan.step}: row {row.request_id} samples without params")
+        if PENDING in row.token_ids[:-1] or (row.token_ids[-1] == PENDING and not row.sample):
+            raise ContractError(f"step {plan.step}: row {row.request_id} feeds PENDING other than as a "
+                                "sampling row's last token")
         if row.request_id in plan.forget and not row.fresh:
             raise ContractError(f"step {plan.step}: row {row.request_id} is forgotten but not fresh")
     decoders = {r.request_id for r in plan.rows if r.kind is RowKind.DECODE}

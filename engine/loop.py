@@ -211,7 +211,7 @@ class EngineLoop:
         events = self.scheduler.step()
         self._apply(events)
         # only paused requests left: nothing ran, so the thread should wait for a reader
-        return bool(events) or self.scheduler.num_active > 0
+        return bool(events) or self.scheduler.num_active > 0 or self.scheduler.in_flight
 
     def run_until_idle(self) -> None:
         while self.run_once() or not self._commands.empty():

@@ -34,8 +34,9 @@ class PrefixReuse:
         state resumes from. The last token is always fed, so there is something to sample."""
         if self.cache is None:
             return [], None
+        # never the last token's block: it is fed (and with overlapped scheduling may not be known yet)
         tokens = req.all_token_ids
-        hashes = self._chains.setdefault(req.id, self.cache.chain()).extend(tokens)
+        hashes = self._chains.setdefault(req.id, self.cache.chain()).extend(tokens, len(tokens) - 1)
         hit = self.cache.lookup(tokens, hashes[:(len(tokens) - 1) // self.block_size])
         if self.checkpoints is None:
             return hit, None
@@ -76,7 +77,7 @@ class PrefixReuse:
             return
         bs, done, tokens = self.block_size, req.num_computed_tokens, req.all_token_ids
         chain = self._chains[req.id]
-        hashes = chain.extend(tokens)
+        hashes = chain.extend(tokens, done)
         for i in range(self._indexed[req.id], done // bs):
             self.cache.insert(req.blocks[i].block_id, chain, i, tokens)
         self._indexed[req.id] = done // bs

@@ -150,6 +150,10 @@ class Request:
         self.output_token_ids.append(token)
         self._all_ids.append(token)
 
+    def set_last_output(self, token: int) -> None:
+        """The last generated token, appended before it was known (overlapped scheduling), is `token`."""
+        self.output_token_ids[-1] = self._all_ids[-1] = token
+
     def truncate_output(self, n: int) -> None:
         """Keep the first `n` generated tokens (a stop string ended a run of accepted ones)."""
         del self._all_ids[len(self.prompt_token_ids) + n:]

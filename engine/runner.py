@@ -7,15 +7,16 @@ and tokens of the step, not with how long the requests have run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.contracts import Draw, EngineLimits, PlanRow, RowOutput, StateOp, StepPlan, StepResult
+from engine.contracts import (PENDING, Draw, EngineLimits, Launched, PlanRow, Ready, RowOutput, StateOp, StepPlan,
+                              StepResult)
 from engine.debug_hooks import check_step
-from engine.models.batch import ForwardBatch
+from engine.models.batch import ForwardBatch, on_device
 from engine.plan_ledger import PlanLedger, RowRecord
-from engine.sampling import TokenCounts, sample
+from engine.sampling import Draws, TokenCounts, draw
 from engine.state_rollback import StateRollback
 
 
@@ -74,6 +75,8 @@ class ModelRunner:
         self._tables = torch.zeros((max_rows, -(-max_model_len // bs) + 1), dtype=torch.int32,
                                    device=self.device)
         self._counts: dict[str, TokenCounts] = {}     # penalised requests' token counts
+        # the last step's first draw per sampling row (on the device), and each request's index there
+        self._drawn: tuple[torch.Tensor | None, dict[str, int]] = (None, {})
 
     @staticmethod
     def _compile(model, fullgraph: bool):
@@ -85,8 +88,8 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch, rows: list[PlanRow]) -> torch.Tensor:
         external = (self.pool.layers,) if self.state_pool is None else (self.pool.layers, self.state_pool.layers)
-        slots = None if self.state_pool is None else torch.tensor(
-            [-1 if r.state_slot is None else r.state_slot for r in rows], dtype=torch.int32, device=self.device)
+        slots = None if self.state_pool is None else on_device(
+            [-1 if r.state_slot is None else r.state_slot for r in rows], self.device, torch.int32)
         hidden = None if self.graphs is None else self.graphs.run(batch, *external, state_slots=slots)
         if hidden is None:      # not a decode-only step (or no graphs): eager / compiled
             forward = self._compiled or self.model.forward
@@ -115,9 +118,12 @@ class ModelRunner:
         else:
             self.state_pool.copy(op.src, op.dst)
 
-    def _row_error(self, row: PlanRow, rec: RowRecord) -> str | None:
+    def _row_error(self, row: PlanRow, rec: RowRecord, drawn: dict[str, int]) -> str | None:
         vocab = self.model.cfg.vocab_size
-        bad = [t for t in row.token_ids if not 0 <= t < vocab]
+        pending = row.token_ids[-1] == PENDING
+        if pending and row.request_id not in drawn:
+            return "its last token is PENDING, and the step before drew no token for it"
+        bad = [t for t in (row.token_ids[:-1] if pending else row.token_ids) if not 0 <= t < vocab]
         if bad:
             return f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
         if row.sampling is not None and row.sampling.logit_bias and row.sampling.logit_bias[-1][0] >= vocab:
@@ -138,21 +144,24 @@ class ModelRunner:
                 self._counts.pop(row.request_id, None)
             if row.new_blocks:
                 end = len(rec.block_table)
-                self._tables[rec.index, end - len(row.new_blocks):end] = torch.tensor(
-                    row.new_blocks, dtype=torch.int32).to(self.device)
+                self._tables[rec.index, end - len(row.new_blocks):end] = on_device(
+                    row.new_blocks, self.device, torch.int32)
 
-    def _count(self, row: PlanRow) -> TokenCounts:
-        """A penalised row's counts, with this row's fed tokens added (the same tokens as the
-        prompt + output so far at its draw)."""
+    def _count(self, row: PlanRow, fed: torch.Tensor) -> TokenCounts:
+        """A penalised row's counts, with this row's fed tokens (`fed`, PENDING resolved) added: the
+        same tokens as the prompt + output so far at its draw."""
         counts = self._counts.get(row.request_id)
         if counts is None:
             counts = self._counts[row.request_id] = TokenCounts.zeros(self.model.cfg.vocab_size, self.device)
         if row.cached_token_ids:
             counts.add(row.cached_token_ids, row.num_prompt_tokens)
-        counts.add(row.token_ids, max(0, row.num_prompt_tokens - row.start_pos))
+        counts.add(fed, max(0, row.num_prompt_tokens - row.start_pos))
         return counts
 
-    def _batch(self, rows: list[PlanRow], records: list[RowRecord]) -> ForwardBatch:
+    def _batch(self, rows: list[PlanRow], records: list[RowRecord],
+               before: tuple[torch.Tensor | None, dict[str, int]] = (None, {})) -> ForwardBatch:
+        """The flat batch of `rows`; a PENDING last token is read on the device from the draws of the
+        step `before`."""
         dev, bs = self.device, self.pool.shape.block_size
         lens = torch.tensor([len(r.token_ids) for r in rows], dtype=torch.int64)
         starts = torch.tensor([r.start_pos for r in rows], dtype=torch.int64)
@@ -166,61 +175,102 @@ class ModelRunner:
         drawn = [e - 1 - d for r, e in zip(rows, ends) if r.sample for d in range(r.num_draft, -1, -1)]
         ids = [t for r in rows for t in r.token_ids]
         width = -(-max(r.end_pos for r in rows) // bs)
-        index = torch.tensor([rec.index for rec in records], dtype=torch.int64).to(dev)
+        index = on_device([rec.index for rec in records], dev)
         tables = self._tables[:, :width].index_select(0, index)
-        positions, row_of = positions.to(dev), row_of.to(dev)
+        positions, row_of, input_ids = on_device(positions, dev), on_device(row_of, dev), on_device(ids, dev)
+        pending = [(e - 1, before[1][r.request_id]) for r, e in zip(rows, ends) if r.token_ids[-1] == PENDING]
+        if pending:
+            at, src = zip(*pending)
+            input_ids[on_device(at, dev)] = before[0][on_device(src, dev)]
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev), positions=positions,
+            input_ids=input_ids, positions=positions,
             slot_mapping=tables[row_of, positions // bs].long() * bs + positions % bs,
-            block_tables=tables, query_start_loc=qsl.to(torch.int32).to(dev),
-            context_lens=(starts + lens).to(torch.int32).to(dev),
-            logits_indices=torch.tensor(drawn, dtype=torch.int64).to(dev))
+            block_tables=tables, query_start_loc=on_device(qsl, dev, torch.int32),
+            context_lens=on_device(starts + lens, dev, torch.int32), logits_indices=on_device(drawn, dev))
 
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.launch(plan).result()
+
+    def launch(self, plan: StepPlan) -> Launched:
+        """Run the step up to its draws, which stay on the device until the result is read: the next
+        plan's PENDING tokens are taken from them there (overlapped scheduling)."""
         closed, records = self.ledger.begin(plan)      # a broken delta raises ContractError
         for rec in closed:
             self._counts.pop(rec.request_id, None)
             if self.draft is not None:
                 self.draft.forget(rec.request_id)
         self._update(plan, records)
-        errors = {r.request_id: self._row_error(r, rec) for r, rec in zip(plan.rows, records)}
+        drawn, self._drawn = self._drawn, (None, {})
+        errors = {r.request_id: self._row_error(r, rec, drawn[1]) for r, rec in zip(plan.rows, records)}
         ok = [(r, rec) for r, rec in zip(plan.rows, records) if errors[r.request_id] is None]
-        sampled, fed = {}, {}
+        step = _Launched(self, plan, errors, [rec for _, rec in ok])
         try:
             check_step(plan.step)     # debug hook: raises in the steps PAGEDSERVE_DEBUG_FAIL_STEPS lists
             with torch.inference_mode():
                 for op in plan.state_ops:
                     self._state_op(op)
                 if ok:
-                    rows, recs = [r for r, _ in ok], [rec for _, rec in ok]
+                    rows = [r for r, _ in ok]
                     if self.draft is not None:      # draft_k rows become verify rows
-                        rows = self.draft.propose(rows, recs, self._batch)
-                    fed = {r.request_id: r for r in rows}
-                    counts = {r.request_id: self._count(r) for r in rows if r.sampling.penalized}
-                    batch = self._batch(rows, recs)
+                        rows = self.draft.propose(rows, step.records, self._batch)
+                    step.fed = {r.request_id: r for r in rows}
+                    batch = self._batch(rows, step.records, drawn)
+                    counts, at = {}, 0
+                    for r in rows:
+                        if r.sampling.penalized:
+                            counts[r.request_id] = self._count(r, batch.input_ids[at:at + len(r.token_ids)])
+                        at += len(r.token_ids)
                     self.rollback.prepare(batch, rows)
                     hidden = self._forward(batch, rows)
                     sampling_rows = [r for r in rows if r.sample]
                     if sampling_rows:
-                        picks = sample(self.model.logits(hidden), sampling_rows, self.generator,
-                                       [counts.get(r.request_id) for r in sampling_rows])
-                        sampled = {r.request_id: p for r, p in zip(sampling_rows, picks)}
-                        self.rollback.apply(sampled)
+                        step.draws = draw(self.model.logits(hidden), sampling_rows, self.generator,
+                                          [counts.get(r.request_id) for r in sampling_rows])
+                        self._drawn = (step.draws.firsts(), {r.request_id: i for i, r in enumerate(sampling_rows)})
+                        if self.rollback.recording:     # hybrid verify rows: the state must be right
+                            self.rollback.apply(step.read())    # before the next step runs
         except Exception as e:  # noqa: BLE001 - a step failure is reported, the engine lives on
-            return StepResult(plan.step, error=f"{type(e).__name__}: {e}")
+            self._drawn = (None, {})
+            return Ready(StepResult(plan.step, error=f"{type(e).__name__}: {e}"))
         finally:
             self.ledger.commit(plan, records)
+        return step
+
+
+@dataclass
+class _Launched:
+    """A step launched by ModelRunner.launch; `result()` reads its draws back and answers the plan."""
+    runner: ModelRunner
+    plan: StepPlan
+    errors: dict[str, str | None]
+    records: list[RowRecord]
+    fed: dict[str, PlanRow] = field(default_factory=dict)   # the rows as run (with draft proposals)
+    draws: Draws | None = None
+    _host: dict[str, list[tuple]] | None = None
+
+    def read(self) -> dict[str, list[tuple]]:
+        """Each sampling row's draws on the host, by request id."""
+        if self._host is None:
+            self._host = {} if self.draws is None else dict(
+                zip([r.request_id for r in self.draws.rows], self.draws.host()))
+        return self._host
+
+    def result(self) -> StepResult:
+        try:
+            sampled = self.read()
+        except Exception as e:  # noqa: BLE001 - a device error surfaces when the draws are read
+            return StepResult(self.plan.step, error=f"{type(e).__name__}: {e}")
         outputs = []
-        for r in plan.rows:
-            if errors[r.request_id]:
-                outputs.append(RowOutput(r.request_id, error=errors[r.request_id]))
+        for r in self.plan.rows:
+            if self.errors[r.request_id]:
+                outputs.append(RowOutput(r.request_id, error=self.errors[r.request_id]))
             elif r.request_id in sampled:
                 (tok, lp, top), *verify = sampled[r.request_id]
-                proposals = fed[r.request_id].token_ids[1:] if r.draft_k else ()
+                proposals = self.fed[r.request_id].token_ids[1:] if r.draft_k else ()
                 outputs.append(RowOutput(r.request_id, token=tok, logprob=lp, top_logprobs=top,
                                          verify=tuple(Draw(*d) for d in verify), proposals=proposals))
             else:
                 outputs.append(RowOutput(r.request_id))
-        if self.draft is not None:
-            self.draft.seen(list(fed.values()), [rec for _, rec in ok], {o.request_id: o for o in outputs})
-        return StepResult(plan.step, tuple(outputs))
+        if self.runner.draft is not None:
+            self.runner.draft.seen(list(self.fed.values()), self.records, {o.request_id: o for o in outputs})
+        return StepResult(self.plan.step, tuple(outputs))

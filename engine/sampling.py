@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from engine.contracts import PlanRow
+from engine.models.batch import on_device
 
 _MASK64 = (1 << 63) - 1
 
@@ -31,8 +32,8 @@ class TokenCounts:
                    torch.zeros(vocab, dtype=torch.int32, device=device))
 
     def add(self, token_ids, prompt_tokens: int) -> None:
-        """Count fed tokens, the first `prompt_tokens` of which are prompt."""
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.seen.device)
+        """Count fed tokens (ids, or a tensor of them), the first `prompt_tokens` of which are prompt."""
+        ids = on_device(token_ids, self.seen.device)
         ones = torch.ones(len(token_ids), dtype=torch.int32, device=self.seen.device)
         self.seen.index_add_(0, ids, ones)
         if prompt_tokens < len(token_ids):
@@ -93,21 +94,53 @@ def _filter(logits: torch.Tensor, row: PlanRow) -> torch.Tensor:
     return probs
 
 
-def _draw(probs: torch.Tensor, row: PlanRow, index: int, generator: torch.Generator | None) -> int:
-    """A token with probability `probs` (unnormalised); a seeded row's depends on (seed, index) only."""
+def _draw(probs: torch.Tensor, row: PlanRow, index: int, generator: torch.Generator | None) -> torch.Tensor:
+    """A token with probability `probs` (unnormalised), on the device; a seeded row's depends on
+    (seed, index) only."""
     if row.sampling.seed is not None:
         generator = torch.Generator(device=probs.device)
         generator.manual_seed((row.sampling.seed * 1_000_003 + index) & _MASK64)
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+    return (probs / noise).argmax()
 
 
-def sample(logits: torch.Tensor, rows: list[PlanRow], generator: torch.Generator | None = None,
-           counts: list[TokenCounts | None] | None = None) -> list[list[tuple]]:
+@dataclass
+class Draws:
+    """A step's draws, still on the device until `host()` reads them (overlapped scheduling feeds
+    them to the next step there): `tokens` holds every row's span of draws in row order."""
+    tokens: torch.Tensor            # int64 [draws]
+    rows: list[PlanRow]
+    spans: list[range]
+    logprobs: torch.Tensor | None   # the model's own, when a row asked for them
+
+    def firsts(self) -> torch.Tensor:
+        """Each row's first draw (the token after its last fed one), on the device."""
+        return self.tokens[on_device([span.start for span in self.spans], self.tokens.device)]
+
+    def host(self) -> list[list[tuple]]:
+        """Each row's draws, each a (token, logprob, top_logprobs)."""
+        tokens, out = self.tokens.tolist(), []
+        for row, span in zip(self.rows, self.spans):
+            n = row.sampling.logprobs
+            draws = []
+            for j in span:
+                tok, top = tokens[j], ()
+                if n is None:
+                    draws.append((tok, None, ()))
+                    continue
+                if n:
+                    vals, ids = self.logprobs[j].topk(n)
+                    top = tuple(zip(ids.tolist(), vals.tolist()))
+                draws.append((tok, float(self.logprobs[j, tok]), top))
+            out.append(draws)
+        return out
+
+
+def draw(logits: torch.Tensor, rows: list[PlanRow], generator: torch.Generator | None = None,
+         counts: list[TokenCounts | None] | None = None) -> Draws:
     """logits: fp32 `[draws, vocab]`, changed in place: one per row, 1 + num_draft for a verify row
-    (its positions in order); `counts`: each penalised row's token counts. Returns each row's
-    draws, each a (token, logprob, top_logprobs); logprobs are the model's own, before
-    penalties, bias and masks."""
+    (its positions in order); `counts`: each penalised row's token counts. Logprobs are the model's
+    own, before penalties, bias and masks."""
     want_logprobs = any(r.sampling.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     counts = counts or [None] * len(rows)
@@ -119,28 +152,15 @@ def sample(logits: torch.Tensor, rows: list[PlanRow], generator: torch.Generator
         if row.sampling.shaped or row.banned_token_ids or row.allowed is not None:
             for j in span:      # a verify row is never penalised, banned or masked: bias alone applies
                 _shape(logits[j], row, count)
-    greedy = [j for row, span in zip(rows, spans) if row.sampling.greedy for j in span]
-    tokens: list[int] = [0] * at
-    if greedy:
-        picks = (logits if len(greedy) == at else logits[greedy]).argmax(dim=-1).tolist()
-        for j, tok in zip(greedy, picks):
-            tokens[j] = tok
+    tokens = logits.argmax(dim=-1)          # the greedy draws; the other rows' are replaced below
     for row, span in zip(rows, spans):
         if not row.sampling.greedy:
             for d, j in enumerate(span):
                 tokens[j] = _draw(_filter(logits[j], row), row, row.sample_index + d, generator)
-    out = []
-    for row, span in zip(rows, spans):
-        n = row.sampling.logprobs
-        draws = []
-        for j in span:
-            tok, top = tokens[j], ()
-            if n is None:
-                draws.append((tok, None, ()))
-                continue
-            if n:
-                vals, ids = logprobs[j].topk(n)
-                top = tuple(zip(ids.tolist(), vals.tolist()))
-            draws.append((tok, float(logprobs[j, tok]), top))
-        out.append(draws)
-    return out
+    return Draws(tokens, rows, spans, logprobs)
+
+
+def sample(logits: torch.Tensor, rows: list[PlanRow], generator: torch.Generator | None = None,
+           counts: list[TokenCounts | None] | None = None) -> list[list[tuple]]:
+    """`draw`, read back: each row's draws, each a (token, logprob, top_logprobs)."""
+    return draw(logits, rows, generator, counts).host()

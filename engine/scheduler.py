@@ -13,8 +13,8 @@ import time
 from collections import deque
 from typing import Callable
 
-from engine.contracts import (ContractError, Draw, PlanRow, RowKind, RowOutput, SeqEngine, StepPlan,
-                              StepResult, check_plan, check_result)
+from engine.contracts import (PENDING, ContractError, Draw, Launched, PlanRow, Ready, RowKind, RowOutput,
+                              SeqEngine, StepPlan, StepResult, check_plan, check_result)
 from engine.kv.allocator import BlockHandle, Reservation
 from engine.kv.prefix_cache import CheckpointCache, PrefixCache
 from engine.kv.resources import KVResources
@@ -29,6 +29,8 @@ __all__ = ["Event", "QueueFull", "RequestRejected", "Scheduler"]
 
 
 class Scheduler:
+    overlapped = False      # engine/overlap_scheduler.py: the next step is planned while one runs
+
     def __init__(self, engine: SeqEngine, *, max_waiting: int | None = None,
                  clock: Callable[[], float] = time.monotonic, prefix_cache: bool = True,
                  speculator: Speculator | None = None) -> None:
@@ -129,6 +131,11 @@ class Scheduler:
         return bool(self._live or self._pending)
 
     @property
+    def in_flight(self) -> bool:
+        """A launched step whose result is unread (overlapped scheduling only)."""
+        return False
+
+    @property
     def num_active(self) -> int:
         """Admitted requests that are not paused: they get rows in the next plan."""
         return sum(r.state is not RequestState.PAUSED for r in self._running)
@@ -163,15 +170,19 @@ class Scheduler:
         plan = self.schedule()
         if plan is None:
             return events
+        return events + self._apply_checked(plan, self._launch(plan).result())
+
+    def _launch(self, plan: StepPlan) -> Launched:
         try:
-            result = self.engine.execute(plan)
+            return Ready(self.engine.execute(plan))
         except Exception as exc:  # noqa: BLE001 - any engine failure becomes a step failure
-            result = StepResult(plan.step, error=f"{type(exc).__name__}: {exc}")
+            return Ready(StepResult(plan.step, error=f"{type(exc).__name__}: {exc}"))
+
+    def _apply_checked(self, plan: StepPlan, result: StepResult) -> list[Event]:
         try:
-            return events + self.apply(plan, result)
+            return self.apply(plan, result)
         except ContractError as exc:
-            return events + self.apply(plan, StepResult(plan.step, error=f"engine broke the "
-                                                                         f"step contract: {exc}"))
+            return self.apply(plan, StepResult(plan.step, error=f"engine broke the step contract: {exc}"))
 
     def schedule(self) -> StepPlan | None:
         if self._outstanding is not None:
@@ -251,13 +262,8 @@ class Scheduler:
 
     def _append(self, req: Request, draw: RowOutput | Draw) -> tuple[FinishReason | None, str | None]:
         """One drawn token into the request; the reason (and error) it finishes with, if any."""
-        now = self._clock()
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self._recorder.ttft.append(now - req.arrival_time)
-        else:   # a gap that includes a recompute after preemption is what the client saw
-            self._recorder.itl.append(now - req.last_token_time)
-        req.last_token_time = now
+        if draw.token != PENDING:      # an assumed draw's time is taken when it is known (settle)
+            self._recorder.token_drawn(req)
         req.append_output(draw.token)
         if req.state is RequestState.PREFILL:
             self._rotation.discard(req.id)

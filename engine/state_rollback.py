@@ -44,6 +44,11 @@ class StateRollback:
         batch.checkpoint_start = torch.tensor(first, dtype=torch.int32).to(batch.input_ids.device)
         batch.state_checkpoints = self._reserve(total)
 
+    @property
+    def recording(self) -> bool:
+        """Rows of this step await `apply` (which needs their draws on the host)."""
+        return bool(self._recording)
+
     def apply(self, draws: dict[str, list[tuple]]) -> None:
         """After sampling (`draws`: each row's (token, logprob, top) draws in order): every recording row
         whose run stops before its last proposal gets the state after its last kept token."""

@@ -114,6 +114,17 @@ class StatsRecorder:
         self.generation_tokens_total += generation_tokens
         self._steps.append((self._clock(), prompt_tokens, generation_tokens))
 
+    def token_drawn(self, req) -> None:
+        """A token of `req` is known now: its time to first token or its gap since the last one (a
+        gap that includes a recompute after preemption is what the client saw)."""
+        now = self._clock()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.ttft.append(now - req.arrival_time)
+        else:
+            self.itl.append(now - req.last_token_time)
+        req.last_token_time = now
+
     def rates(self) -> tuple[float, float]:
         """(prompt tok/s, generation tok/s) over the window, or since start if that is shorter."""
         now = self._clock()

@@ -23,8 +23,9 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from engine.contracts import Draw, EngineLimits, RowOutput, StepPlan, StepResult
+from engine.contracts import PENDING, Draw, EngineLimits, Ready, RowOutput, StepPlan, StepResult
 from engine.plan_ledger import PlanLedger
+from engine.overlap_scheduler import OverlapScheduler
 from engine.request import Request, SamplingParams
 from engine.scheduler import Event, Scheduler
 from engine.speculation import accepted_run
@@ -80,6 +81,7 @@ class FakeEngine:
         self._slots: dict[int, _SlotState] = {}
         self.ledger = PlanLedger(self.max_rows)
         self._draft_rng = random.Random(0)
+        self._drawn: dict[str, int] = {}      # the last plan's first draw per row: what PENDING stands for
 
     def limits(self) -> EngineLimits:
         return EngineLimits(self.max_rows, self.block_size, self.num_blocks, self.num_state_slots,
@@ -101,8 +103,15 @@ class FakeEngine:
         src = self._slots[src_slot]
         self._slots[dst_slot] = _SlotState(src.digest, src.position)
 
+    def launch(self, plan: StepPlan) -> Ready:
+        return Ready(self.execute(plan))
+
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        drawn, self._drawn = self._drawn, {}
+        plan = replace(plan, rows=tuple(
+            replace(r, token_ids=r.token_ids[:-1] + (drawn.get(r.request_id, PENDING),))
+            if r.token_ids[-1] == PENDING else r for r in plan.rows))
         _, records = self.ledger.begin(plan)
         self.tables.append({r.request_id: tuple(rec.block_table) for r, rec in zip(plan.rows, records)})
         for op in plan.state_ops:
@@ -116,10 +125,14 @@ class FakeEngine:
         if plan.step in self.error_on_steps:
             return StepResult(plan.step, error=f"injected step error {plan.step}")
         outs = tuple(self._run_row(row, rec.block_table) for row, rec in zip(plan.rows, records))
+        self._drawn = {o.request_id: o.token for o in outs if o.token is not None}
         result = StepResult(plan.step, outs)
         return self.tamper(plan, result) if self.tamper else result
 
     def _run_row(self, row, block_table: list[int]) -> RowOutput:
+        if PENDING in row.token_ids:
+            return RowOutput(row.request_id, error=f"{row.request_id}: PENDING, and the plan before drew "
+                                                   "no token for it")
         if row.request_id in self.fail_rows:
             self.fail_rows.discard(row.request_id)
             return RowOutput(row.request_id, error=f"injected row error for {row.request_id}")
@@ -234,10 +247,10 @@ def make_request(rid: str, n: int, max_tokens: int = 8, eos: tuple[int, ...] = (
 
 
 def make_scheduler(max_waiting: int | None = None, prefix_cache: bool = False, speculator=None,
-                   **engine_kw) -> tuple[Scheduler, FakeEngine, ManualClock]:
+                   overlap: bool = False, **engine_kw) -> tuple[Scheduler, FakeEngine, ManualClock]:
     engine, clock = FakeEngine(**engine_kw), ManualClock()
-    sched = Scheduler(engine, max_waiting=max_waiting, clock=clock, prefix_cache=prefix_cache,
-                      speculator=speculator)
+    sched = (OverlapScheduler if overlap else Scheduler)(engine, max_waiting=max_waiting, clock=clock,
+                                                         prefix_cache=prefix_cache, speculator=speculator)
     return sched, engine, clock
 
 

@@ -2,6 +2,7 @@
 event per request. Bounded so it runs in seconds."""
 from __future__ import annotations
 
+import pytest
 from fake_engine import check_invariants, drain, make_request, make_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,10 +28,11 @@ OPS = st.lists(st.tuples(st.sampled_from(["add", "add", "add", "step", "step", "
                          st.integers(0, 10**6)), min_size=5, max_size=80)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=CONFIGS, ops=OPS, max_waiting=st.none() | st.integers(1, 4))
-def test_random_workloads_keep_the_invariants(cfg, ops, max_waiting):
-    sched, engine, clock = make_scheduler(max_waiting=max_waiting, vocab=50, **cfg)
+def test_random_workloads_keep_the_invariants(overlap, cfg, ops, max_waiting):
+    sched, engine, clock = make_scheduler(max_waiting=max_waiting, vocab=50, overlap=overlap, **cfg)
     execute = engine.execute
 
     def checked_execute(plan):
@@ -88,11 +90,12 @@ def test_random_workloads_keep_the_invariants(cfg, ops, max_waiting):
     assert set(finals) == set(added), "every request ends exactly once"
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(block_size=st.sampled_from([1, 2, 4]), spare_blocks=st.integers(0, 6), max_rows=st.integers(2, 5),
        num_state_slots=st.sampled_from([0, 2, 5]),
        specs=st.lists(st.tuples(st.integers(1, 10), st.integers(1, 20)), min_size=2, max_size=6))
-def test_tight_pools_preempt_without_changing_outputs(block_size, spare_blocks, max_rows,
+def test_tight_pools_preempt_without_changing_outputs(overlap, block_size, spare_blocks, max_rows,
                                                        num_state_slots, specs):
     num_blocks = max(-(-n // block_size) + 1 for n, _ in specs) + spare_blocks
     def run(**cfg):
@@ -103,7 +106,7 @@ def test_tight_pools_preempt_without_changing_outputs(block_size, spare_blocks, 
         drain(sched)
         return [(r.output_token_ids, r.finish_reason) for r in requests], sched.stats().preemptions_total
 
-    tight, _ = run(num_blocks=num_blocks, max_rows=max_rows, num_state_slots=num_state_slots)
+    tight, _ = run(num_blocks=num_blocks, max_rows=max_rows, num_state_slots=num_state_slots, overlap=overlap)
     roomy, preemptions = run(num_blocks=200, max_rows=1)
     assert preemptions == 0
     # the tight pool clamps max_tokens, so a tight output is a prefix of the roomy one

@@ -38,10 +38,10 @@ class BlockChain:
     def parent_of(self, index: int) -> bytes:
         return self.hashes[index - 1] if index else self.root
 
-    def extend(self, tokens: Sequence[int]) -> list[bytes]:
-        """Hash the full blocks of `tokens` not hashed yet (tokens must extend what was hashed)."""
+    def extend(self, tokens: Sequence[int], end: int | None = None) -> list[bytes]:
+        """Hash the full blocks of `tokens[:end]` not hashed yet (tokens must extend what was hashed)."""
         bs = self.block_size
-        for i in range(len(self.hashes), len(tokens) // bs):
+        for i in range(len(self.hashes), (len(tokens) if end is None else end) // bs):
             self.hashes.append(block_hash(self.parent_of(i), tokens[i * bs:(i + 1) * bs]))
         return self.hashes
 

@@ -6,6 +6,13 @@ from dataclasses import dataclass
 import torch
 
 
+def on_device(values, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host values (a list or a CPU tensor) on `device` without waiting for the work queued there: a
+    blocking copy would wait for the step in flight, which overlapped scheduling plans past."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return t.to(device, dtype=dtype, non_blocking=True)
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor        # int64 [T]
