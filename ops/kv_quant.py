@@ -13,7 +13,9 @@ takes floor(x / d + 8.5) clamped to [0, 15] as llama.cpp does.
 K is stored rotated: each 32-value block is multiplied by the orthonormal Walsh-Hadamard matrix H/sqrt(32)
 (symmetric, its own inverse) before it is quantized, which spreads an outlier over the block so the
 per-block scale fits the rest. Attention rotates q's blocks the same way, so q.k is unchanged in exact
-arithmetic. V is quantized as it is.
+arithmetic. V is quantized as it is. The rotation cannot help where many of a block's values share one
+large, nearly constant part (a k_proj bias): models subtract such a part from every key before write_kv,
+which leaves attention unchanged (engine/models/qwen3.py).
 """
 from __future__ import annotations
 

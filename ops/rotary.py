@@ -58,6 +58,14 @@ def reference_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor,
     return rotate_one(q), rotate_one(k)
 
 
+def rotary_mean(x: Tensor, cos_sin: Tensor, rotary_dim: int) -> Tensor:
+    """The mean of x [..., D] rotated to every position of the table (rotation is linear: x rotated by the
+    table's mean cos and sin), in fp64."""
+    half = rotary_dim // 2
+    mean = cos_sin.double().mean(0)
+    return _rotate(x.double(), mean[:half], mean[half:], rotary_dim)
+
+
 @register("rotary", "cpu")
 def torch_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, rotary_dim: int) -> tuple[Tensor, Tensor]:
     if positions.numel():

@@ -1,8 +1,11 @@
 """Fidelity of a 16-bit or block-quantized K/V cache under fp32 activations, on tiny random models: greedy
 tokens with bf16 and fp16 K/V against fp32 K/V (which equals transformers), and the logits with q8_0 and
-q4_0 K/V fed the fp32 run's tokens; prompts prefilled in chunks (later chunks read the narrower cached
-prefix) and then decoded a token a step (the C++ decode kernel)."""
+q4_0 K/V fed the fp32 run's tokens, also for a Qwen2 model with a large k_proj bias (its keys are stored less
+the bias's mean rotation); prompts prefilled in chunks (later chunks read the narrower cached prefix) and then
+decoded a token a step (the C++ decode kernel)."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -97,3 +100,65 @@ def test_quantized_kv_logits_stay_close_to_fp32_kv(tiny_checkpoint, record_prope
         print(f"{fmt} K/V vs fp32 K/V: max abs logit error {err:.4f} (logits std "
               f"{float(torch.cat(reference).std()):.2f})")
         assert err < bound, fmt
+
+
+class _LargeKeyBias:
+    """A checkpoint whose k_proj biases get +-(100..200) in the four lowest-frequency rotary pairs of each
+    kv head (head_dim 64), like Qwen2.5's: with its rope_theta (1e6) a few key channels far larger than the
+    rest and nearly constant."""
+
+    def __init__(self, ckpt):
+        self.ckpt = ckpt
+
+    def __getattr__(self, name):
+        return getattr(self.ckpt, name)
+
+    def get(self, name, shape, dtype):
+        t = self.ckpt.get(name, shape, dtype)
+        if name.endswith("k_proj.bias"):
+            g = torch.Generator().manual_seed(len(name))
+            big = torch.randn(2, 2, 4, generator=g).sign() * (100 + 100 * torch.rand(2, 2, 4, generator=g))
+            t = t.clone().view(2, 64)
+            t[:, 28:32] += big[:, 0].to(dtype)
+            t[:, 60:64] += big[:, 1].to(dtype)
+            t = t.view(shape)
+        return t
+
+
+def _q4_0_logit_error(model, prompts: list[list[int]]) -> float:
+    """RMS logit error of q4_0 K/V against fp32 K/V, fed the fp32 run's greedy tokens, over the logits' RMS
+    spread."""
+    tokens = [_greedy(model, torch.float32, p) for p in prompts]
+    want = torch.stack([_greedy(model, torch.float32, p, feed=t) for p, t in zip(prompts, tokens)])
+    got = torch.stack([_greedy(model, "q4_0", p, feed=t) for p, t in zip(prompts, tokens)])
+    return float((got - want).pow(2).mean().sqrt() / want.std())
+
+
+@pytest.mark.usefixtures("cpp_kernels")
+def test_keys_with_a_large_bias_quantize_like_keys_without(tiny_checkpoint):
+    """The q4_0 logit error of the biased Qwen2 model is about the unbiased one's; stored as they are, the
+    biased keys lose most of their content."""
+    path = tiny_checkpoint("qwen2", tied=False, heads=8, kv_heads=2, head_dim=64, layers=3)
+    ckpt = open_checkpoint(path)
+    cfg = dataclasses.replace(parse_model_config(ckpt.config), rope_theta=1e6)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 400, (int(n),), generator=g).tolist() for n in (30, 55, 80, 90)]
+    unbiased = _q4_0_logit_error(DenseDecoder(cfg, ckpt, torch.float32, CPU), prompts)
+    model = DenseDecoder(cfg, _LargeKeyBias(ckpt), torch.float32, CPU)
+    assert all(layer.k_offset is not None for layer in model.layers)
+    less_offset = _q4_0_logit_error(model, prompts)
+    for layer in model.layers:
+        layer.k_offset = None
+    as_they_are = _q4_0_logit_error(model, prompts)
+    print(f"q4_0 K/V, relative RMS logit error: {unbiased:.4f} without the large k_proj bias; with it "
+          f"{less_offset:.4f} less the offset, {as_they_are:.4f} as they are")
+    assert less_offset < 1.5 * unbiased
+    assert as_they_are > 4 * less_offset
+
+
+def test_only_keys_that_are_a_projection_plus_bias_get_an_offset(tiny_checkpoint):
+    """Qwen3's k norm comes after the bias; models without a k bias have nothing to subtract."""
+    for arch in ("qwen3", "llama"):
+        ckpt = open_checkpoint(tiny_checkpoint(arch))
+        model = DenseDecoder(parse_model_config(ckpt.config), ckpt, torch.float32, CPU)
+        assert all(layer.k_offset is None for layer in model.layers), arch

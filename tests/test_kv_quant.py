@@ -3,7 +3,8 @@ block layouts; write_kv storing the same bytes from the torch body, the C++ kern
 test_triton_kernels.py) Triton; paged_attention against a float64 reference on the dequantized K/V with K
 rotated back (so the rotation of q is checked too), on every instruction set of the C++ decode kernel
 (`lanes` caps the vector width), GQA groups of 1, 2 and 7 heads, page boundaries, ragged rows, prefill rows
-after a cached prefix and long rows cut into shares; the typed errors; the pool's sizes."""
+after a cached prefix and long rows cut into shares; keys stored less a constant offset (a k_proj bias's,
+engine/models/qwen3.py); the typed errors; the pool's sizes."""
 from __future__ import annotations
 
 import gguf
@@ -17,6 +18,7 @@ import ops.cpu
 from engine.kv.pool import KVCacheDtypeError, KVPool, KVShape, resolve_kv_cache_dtype
 from ops import kv_quant
 from ops.paged_attention import reference_paged_attention
+from ops.rotary import reference_rotary, rope_cos_sin, rotary_mean, torch_rotary
 from ops.write_kv import reference_write_kv, torch_write_kv
 
 pagedserve = torch.ops.pagedserve
@@ -175,3 +177,77 @@ def test_the_pool_stores_quantized_rows_and_holds_more_tokens():
     with pytest.raises(KVCacheDtypeError, match="kv_cache_dtype q4_0 needs head_dim a multiple of 32; this model "
                                                 "has 48"):
         KVShape(2, 2, 48, 16, "q4_0")
+
+
+def test_rotary_mean_is_the_mean_of_the_vector_rotated_to_every_position():
+    x = torch.randn(1, 3, 64, generator=_gen(7), dtype=torch.float64)
+    table = rope_cos_sin(50, 48, 10000.0)                 # partial rotary: the last 16 channels stay
+    _, rotated = reference_rotary(x.expand(50, 3, 64), x.expand(50, 3, 64), torch.arange(50), table, 48)
+    got = rotary_mean(x[0], table, 48)
+    torch.testing.assert_close(got, rotated.mean(0), atol=1e-12, rtol=0)
+    assert torch.equal(got[:, 48:], x[0, :, 48:])
+
+
+def _biased_keys(ctx: int, heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys after RoPE (theta 1e6, head_dim 128) at positions 0..ctx-1 whose pre-RoPE values carry a bias
+    of a few hundred in most of the lowest-frequency pairs, as Qwen2.5's first layer has; the bias's mean
+    rotation over the positions; values."""
+    g = _gen(seed)
+    table = rope_cos_sin(ctx, 128, 1e6)
+    bias = torch.zeros(heads, 128)
+    big = torch.randn(heads, 2, 12, generator=g).sign() * (100 + 250 * torch.rand(heads, 2, 12, generator=g))
+    bias[:, 52:64], bias[:, 116:128] = big[:, 0], big[:, 1]
+    pre = torch.randn(ctx, heads, 128, generator=g) * 2 + bias
+    _, k = torch_rotary(pre, pre, torch.arange(ctx), table, 128)
+    return k, rotary_mean(bias, table, 128).float(), torch.randn(ctx, heads, 128, generator=g)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: str | None) -> torch.Tensor:
+    """pagedserve.paged_attention of a fresh prefill row and of a decode row after it, over k / v written
+    into one row's cache of `fmt` (None: fp32), as float64 [ctx, Hq, D]."""
+    ctx, heads, _ = k.shape
+    blocks = -(-ctx // 16)
+    if fmt:
+        k_cache, v_cache = (torch.zeros(blocks, 16, heads, kv_quant.row_bytes(fmt, 128), dtype=torch.uint8)
+                            for _ in range(2))
+    else:
+        k_cache, v_cache = (torch.zeros(blocks, 16, heads, 128) for _ in range(2))
+    pagedserve.write_kv(k_cache, v_cache, k, v, torch.arange(ctx))
+    out = pagedserve.paged_attention(q, k_cache, v_cache, torch.tensor([0, ctx - 1, ctx], dtype=torch.int32),
+                                     torch.tensor([ctx - 1, ctx], dtype=torch.int32),
+                                     torch.arange(blocks, dtype=torch.int32)[None].expand(2, -1).contiguous(),
+                                     128 ** -0.5)
+    return out.double()
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """_attend's rows (causal attention over positions 0..ctx-1) in float64 on the exact keys and values."""
+    ctx, group = k.shape[0], q.shape[1] // k.shape[1]
+    keys, values = (x.double().repeat_interleave(group, 1) for x in (k, v))
+    scores = torch.einsum("thd,shd->hts", q.double(), keys) * 128 ** -0.5
+    scores = scores.masked_fill(torch.ones(ctx, ctx, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), values)
+
+
+# a little above the relative error measured on these keys less their offset
+QUANT_ATTENTION_ERROR = {"q8_0": 0.015, "q4_0": 0.2}
+
+
+@pytest.mark.usefixtures("cpp_kernels")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_keys_stored_less_a_constant_offset_attend_the_same_and_quantize_finely(fmt):
+    """Every key less one constant vector moves each query's scores by one constant, which the softmax
+    drops: an fp32 cache gives the same outputs (C++ decode row, SDPA prefill row). Stored as they are, the
+    bias sets the scales of the blocks that hold it and the rest of those blocks is lost; less the bias's
+    mean rotation, the error is a quantized cache's usual one."""
+    ctx = 96
+    k, offset, v = _biased_keys(ctx, 2, seed=3)
+    q = torch.randn(ctx, 6, 128, generator=_gen(4))
+    exact = _dense(q, k, v)
+    torch.testing.assert_close(_attend(q, k - offset, v, None), exact, atol=1e-4, rtol=1e-4)
+
+    def error(keys):
+        return float((_attend(q, keys, v, fmt) - exact).norm() / exact.norm())
+    as_they_are, less_offset = error(k), error(k - offset)
+    assert less_offset < QUANT_ATTENTION_ERROR[fmt], less_offset
+    assert as_they_are > 4 * less_offset, (as_they_are, less_offset)

@@ -13,13 +13,18 @@ import ops
 from engine.loading.model_config import ModelConfig
 from engine.models.batch import ForwardBatch
 from engine.models.linear import LinearLoader, embedding, linear, weight_nbytes
-from ops.rotary import rope_cos_sin
+from ops.rotary import rope_cos_sin, rotary_mean
 
 pagedserve = ops.direct
+# Keys are stored less the k_proj bias's mean rotation over this many positions (DenseDecoder.__init__):
+# most keys sit in the first few thousand, and the low-frequency pairs that carry large biases turn little
+# even well past them.
+KEY_OFFSET_POSITIONS = 8192
 
 
 class _Layer:
-    __slots__ = ("ln1", "ln2", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "gate_up_w", "down_w")
+    __slots__ = ("ln1", "ln2", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "gate_up_w", "down_w",
+                 "k_offset")
 
 
 class DenseDecoder:
@@ -64,6 +69,17 @@ class DenseDecoder:
             self.layers.append(layer)
         self.cos_sin = rope_cos_sin(cfg.max_position_embeddings, cfg.rotary_dim,
                                     cfg.rope_theta).to(device)
+        # A large k_proj bias (Qwen2) gives a few channels of every key a large, nearly constant value (its
+        # low-frequency rotary pairs barely turn): it sets their blocks' scales in a quantized cache, and
+        # 4 bits then leave nothing of the rest. Subtracting one constant vector from every key moves each
+        # query's scores by one constant, which the softmax drops, so every cache (whatever its dtype)
+        # stores keys less the bias's mean rotation. After a k norm the bias is no constant part of the
+        # keys, so those models store keys as they are.
+        offsets = self.cos_sin[:KEY_OFFSET_POSITIONS]
+        for layer in self.layers:
+            bias = (layer.qkv_b[self.q_size:self.q_size + self.kv_size].view(cfg.num_kv_heads, d)
+                    if layer.qkv_b is not None and layer.k_norm is None else None)
+            layer.k_offset = None if bias is None else rotary_mean(bias, offsets, cfg.rotary_dim).to(dtype)
 
     @property
     def num_kv_layers(self) -> int:
@@ -90,6 +106,8 @@ class DenseDecoder:
             q = pagedserve.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = pagedserve.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
         q, k = pagedserve.rotary(q, k, batch.positions, self.cos_sin, cfg.rotary_dim)
+        if layer.k_offset is not None:
+            k = k - layer.k_offset
         k_cache, v_cache = kv
         pagedserve.write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         o = pagedserve.paged_attention(q, k_cache, v_cache, batch.query_start_loc,
