@@ -1,6 +1,7 @@
 // pagedserve::quant_linear on CPUs: y = x @ W.T with W in int4/int6/int8 groups of 32 (layout: ops/quant_weight.py).
 // x is quantized to int8 per (row, 32-block) once per call; each (row, group) dot product is exact in int32
-// (AVX2 maddubs/madd), then scaled in fp32: acc += (scale * dx) * isum + min * (dx * sum xq).
+// (AVX2 maddubs/madd, or AVX-512 VNNI's dpbusd for int4 and int6), then scaled in fp32:
+// acc += (scale * dx) * isum + min * (dx * sum xq).
 // Two-level scales (K-quants) store uint8 sub-scales and -mins with an fp32 factor per 8 groups; a group's
 // scale is their fp32 product. A call whose x rows fit one row block (decode) multiplies it out per group
 // inside the tile kernel; larger calls multiply a tile's factors out once into fp32 for all its row blocks.
@@ -167,6 +168,19 @@ void expand_factors(const uint8_t* subs, const float* supers, int which, int64_t
 
 #ifdef __AVX2__
 
+// acc plus, in each int32 lane, the sum of its 4 byte products u8 x s8: one AVX-512 VNNI instruction where the
+// CPU has it (vpdpbusd), else maddubs, madd and add, which agree exactly for the tiles' operands (u < 64, so no
+// int16 pair sum saturates). The tiles run either way (the op's `vnni` argument), so both are tested anywhere.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kHasVnni = true;
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+constexpr bool kHasVnni = false;
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+
 // group g's scale and min for the tile's 8 rows. Forced inline: as a call (GCC 12 made it one once the tile
 // kernels shrank) it passed the vectors through memory; a 17920x1536 int4 layer at M=1 on one thread ran
 // at 0.83x the previous kernel's speed that way, 1.09x inlined (alternated in each run).
@@ -200,7 +214,7 @@ inline __m256 group_sum_to_acc(__m256i isum, __m256 scale, __m256 min, bool has_
 // int4: 32-byte vector p of a tile-group holds, in bytes 4i..4i+3, row i's values k = 8p..8p+3 (low nibbles)
 // and 8p+4..8p+7 (high). The maddubs pair sums of the whole group add up in int16 (at most
 // 8 * 2 * 15 * 127 = 30480), then one madd with ones gives the 8 row sums in order.
-template <int MR>
+template <int MR, bool Vnni>
 void tile_int4(const TileArgs& a, float* out) {
   const auto* w = static_cast<const uint8_t*>(a.weight);
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -210,7 +224,7 @@ void tile_int4(const TileArgs& a, float* out) {
   for (int64_t g = 0; g < a.groups; ++g) {
     const uint8_t* wg = w + g * 128;
     prefetch_lines(wg, 2);
-    __m256i s16[MR];
+    __m256i sums[MR];   // int16 pair sums, or (Vnni) the rows' int32 sums
     for (int p = 0; p < 4; ++p) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
       const __m256i lo = _mm256_and_si256(v, nibble);
@@ -218,15 +232,20 @@ void tile_int4(const TileArgs& a, float* out) {
       for (int r = 0; r < MR; ++r) {
         __m256i x_lo, x_hi;
         broadcast_quads(a.xq + r * a.k + g * kGroup, p, x_lo, x_hi);
-        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi));
-        s16[r] = p == 0 ? t : _mm256_add_epi16(s16[r], t);
+        if constexpr (Vnni) {
+          sums[r] = dot4(dot4(p == 0 ? _mm256_setzero_si256() : sums[r], lo, x_lo), hi, x_hi);
+        } else {
+          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi));
+          sums[r] = p == 0 ? t : _mm256_add_epi16(sums[r], t);
+        }
       }
     }
     __m256 scale, min;
     group_factors(a, g, has_mins, scale, min);
     for (int r = 0; r < MR; ++r) {
       const int64_t at = r * a.groups + g;
-      acc[r] = group_sum_to_acc(_mm256_madd_epi16(s16[r], ones), scale, min, has_mins, a.dx[at], a.dx_sum[at], acc[r]);
+      const __m256i isum = Vnni ? sums[r] : _mm256_madd_epi16(sums[r], ones);
+      acc[r] = group_sum_to_acc(isum, scale, min, has_mins, a.dx[at], a.dx_sum[at], acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
@@ -272,7 +291,7 @@ void tile_int8(const TileArgs& a, float* out) {
 // H[p / 2], shifted so that they land on bits 4-5. Vectors 0 and 1 hold the group's first 16-value half, 2 and
 // 3 its second: a lane's int16 pair sums of one vector (below 2 * 2 * 63 * 127 = 32004) take one madd with
 // that half's sub-scale of the lane's row.
-template <int MR>
+template <int MR, bool Vnni>
 void tile_int6(const TileArgs& a, float* out) {
   const auto* w = static_cast<const uint8_t*>(a.weight);
   const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
@@ -290,7 +309,7 @@ void tile_int6(const TileArgs& a, float* out) {
     const __m256i half_sub[2] = {_mm256_shuffle_epi8(sub, pick_first), _mm256_shuffle_epi8(sub, pick_second)};
     const __m256i high[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 128)),
                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 160))};
-    __m256i isum[MR];
+    __m256i isum[MR], halves[MR][2];   // (Vnni) each half's int32 sums, weighed by its sub-scale once
     for (int p = 0; p < 4; ++p) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * p));
       const __m256i h = high[p / 2];
@@ -307,10 +326,21 @@ void tile_int6(const TileArgs& a, float* out) {
       for (int r = 0; r < MR; ++r) {
         __m256i x_lo, x_hi;
         broadcast_quads(a.xq + r * a.k + g * kGroup, p, x_lo, x_hi);
-        const __m256i t = _mm256_madd_epi16(
-            _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi)), half_sub[p / 2]);
-        isum[r] = p == 0 ? t : _mm256_add_epi32(isum[r], t);
+        if constexpr (Vnni) {
+          __m256i& h = halves[r][p / 2];
+          h = dot4(dot4(p % 2 == 0 ? _mm256_setzero_si256() : h, lo, x_lo), hi, x_hi);
+        } else {
+          const __m256i t = _mm256_madd_epi16(
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi)), half_sub[p / 2]);
+          isum[r] = p == 0 ? t : _mm256_add_epi32(isum[r], t);
+        }
       }
+    }
+    if constexpr (Vnni) {
+      // per int32 lane (row): its first and its second half's sub-scale, sign-extended
+      const __m256i first = _mm256_srai_epi32(_mm256_slli_epi32(sub, 16), 16), second = _mm256_srai_epi32(sub, 16);
+      for (int r = 0; r < MR; ++r)
+        isum[r] = _mm256_add_epi32(_mm256_mullo_epi32(halves[r][0], first), _mm256_mullo_epi32(halves[r][1], second));
     }
     const __m256 super = _mm256_loadu_ps(a.supers + (g / kSuper) * kTile);
     for (int r = 0; r < MR; ++r) {
@@ -378,29 +408,34 @@ void tile_scalar(const TileArgs& a, int bits, float* out) {
 #endif
 
 template <int MR>
-void run_tile(const TileArgs& a, int bits, float* out) {
+void run_tile(const TileArgs& a, int bits, bool vnni, float* out) {
 #ifdef __AVX2__
-  if (bits == 4) tile_int4<MR>(a, out);
-  else if (bits == 6) tile_int6<MR>(a, out);
+  if (bits == 4) vnni ? tile_int4<MR, true>(a, out) : tile_int4<MR, false>(a, out);
+  else if (bits == 6) vnni ? tile_int6<MR, true>(a, out) : tile_int6<MR, false>(a, out);
   else tile_int8<MR>(a, out);
 #else
   tile_scalar<MR>(a, bits, out);
 #endif
 }
 
-void run_rows(const TileArgs& a, int bits, int rows, float* out) {
+void run_rows(const TileArgs& a, int bits, bool vnni, int rows, float* out) {
   switch (rows) {
-    case 1: return run_tile<1>(a, bits, out);
-    case 2: return run_tile<2>(a, bits, out);
-    case 3: return run_tile<3>(a, bits, out);
-    default: return run_tile<kRowBlock>(a, bits, out);
+    case 1: return run_tile<1>(a, bits, vnni, out);
+    case 2: return run_tile<2>(a, bits, vnni, out);
+    case 3: return run_tile<3>(a, bits, vnni, out);
+    default: return run_tile<kRowBlock>(a, bits, vnni, out);
   }
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& supers,
-                        int64_t bits, int64_t out_features) {
+                        int64_t bits, int64_t out_features, std::optional<bool> vnni_opt) {
   const char* op = "pagedserve_cpu::quant_linear";
+#ifdef __AVX2__
+  const bool vnni = vnni_opt.value_or(kHasVnni);   // false: the maddubs tiles (tests run both)
+#else
+  const bool vnni = false;
+#endif
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, op, ": bits=", bits, "; allowed: 4, 6, 8");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kGroup == 0, op,
               ": x must be contiguous [M, K] with K a multiple of 32, got ", x.sizes());
@@ -479,7 +514,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
             args.dx = act.dx.data() + m * groups;
             args.dx_sum = act.dx_sum.data() + m * groups;
             args.half_sums = act.half_sums.data() + m * groups;
-            run_rows(args, static_cast<int>(bits), block, acc);
+            run_rows(args, static_cast<int>(bits), vnni, block, acc);
             for (int r = 0; r < block; ++r)
               for (int64_t j = 0; j < valid; ++j) y[(m + r) * out_features + n0 + j] = from_float<scalar_t>(acc[r * kTile + j]);
           }
@@ -494,6 +529,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? supers, int bits, "
-        "int out_features) -> Tensor",
+        "int out_features, bool? vnni=None) -> Tensor",
         &quant_linear);
 }
