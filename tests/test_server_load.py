@@ -203,20 +203,26 @@ def test_sigterm_drains_queued_503_running_finish_exit_0(server):
     results: dict[int, httpx.Response] = {}
 
     def ask(i: int) -> None:
-        # long enough that the first four are still running when the last three have arrived
-        # (at 60 tokens they sometimes finished before the others were all in)
         results[i] = httpx.post(server.url + "/v1/completions", timeout=120,
                                 json=LONG | {"prompt": f"fox {i}"})
+
+    def stats_become(want: tuple[int, int]) -> tuple[int, int]:
+        deadline = time.monotonic() + 30
+        while True:
+            stats = httpx.get(server.url + "/v1/requests").json()["stats"]
+            if (stats["running"], stats["waiting"]) == want or time.monotonic() > deadline:
+                return stats["running"], stats["waiting"]
+            time.sleep(0.01)
+
+    # the last three are sent once the first four run (all seven at once, on a loaded machine the first
+    # four sometimes finished before the others were in); their 240 tokens leave time for three posts
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(7)]
-    for t in threads:
+    for t in threads[:4]:
         t.start()
-    deadline = time.monotonic() + 30
-    while True:
-        stats = httpx.get(server.url + "/v1/requests").json()["stats"]
-        if (stats["running"], stats["waiting"]) == (4, 3) or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    assert (stats["running"], stats["waiting"]) == (4, 3)
+    assert stats_become((4, 0)) == (4, 0)
+    for t in threads[4:]:
+        t.start()
+    assert stats_become((4, 3)) == (4, 3)
     server.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(60)
