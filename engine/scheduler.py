@@ -30,6 +30,7 @@ __all__ = ["Event", "QueueFull", "RequestRejected", "Scheduler"]
 
 class Scheduler:
     overlapped = False      # engine/overlap_scheduler.py: the next step is planned while one runs
+    in_flight = False       # ... and there, whether a launched step's result is unread
 
     def __init__(self, engine: SeqEngine, *, max_waiting: int | None = None,
                  clock: Callable[[], float] = time.monotonic, prefix_cache: bool = True,
@@ -129,11 +130,6 @@ class Scheduler:
     def has_work(self) -> bool:
         """Live requests, or final events of cancel/finish that step() has yet to hand out."""
         return bool(self._live or self._pending)
-
-    @property
-    def in_flight(self) -> bool:
-        """A launched step whose result is unread (overlapped scheduling only)."""
-        return False
 
     @property
     def num_active(self) -> int:
