@@ -13,7 +13,7 @@ decide the next one (proposals to accept, a grammar's next mask) is read before 
 """
 from __future__ import annotations
 
-from engine.contracts import PENDING, ContractError, Launched, Ready, RowOutput, StepPlan, StepResult, check_result
+from engine.contracts import PENDING, ContractError, Launched, RowOutput, StepPlan, StepResult, check_result
 from engine.request import Event, FinishReason, Request, RequestState
 from engine.scheduler import Scheduler
 
@@ -26,7 +26,7 @@ class OverlapScheduler(Scheduler):
             raise ValueError("overlapped scheduling plans a step before the tokens of the one before are "
                              "known, and speculative decoding proposes from them: turn one of them off")
         super().__init__(engine, **kw)
-        # the step launched last, with its result unread, and its requests as assumed
+        # the step launched last, its result unread
         self._ahead: tuple[StepPlan, Launched] | None = None
 
     @property
@@ -54,11 +54,8 @@ class OverlapScheduler(Scheduler):
             events += self._settle(ahead[0], assumed, ahead[1].result())
         return events
 
-    def _launch(self, plan: StepPlan) -> Launched:
-        try:
-            return self.engine.launch(plan)
-        except Exception as exc:  # noqa: BLE001 - any engine failure becomes a step failure
-            return Ready(StepResult(plan.step, error=f"{type(exc).__name__}: {exc}"))
+    def _start(self, plan: StepPlan) -> Launched:
+        return self.engine.launch(plan)
 
     def _assumable(self, plan: StepPlan) -> bool:
         """Whether everything but the drawn tokens is known before the plan's result: no proposals

@@ -170,9 +170,12 @@ class Scheduler:
 
     def _launch(self, plan: StepPlan) -> Launched:
         try:
-            return Ready(self.engine.execute(plan))
+            return self._start(plan)
         except Exception as exc:  # noqa: BLE001 - any engine failure becomes a step failure
             return Ready(StepResult(plan.step, error=f"{type(exc).__name__}: {exc}"))
+
+    def _start(self, plan: StepPlan) -> Launched:
+        return Ready(self.engine.execute(plan))
 
     def _apply_checked(self, plan: StepPlan, result: StepResult) -> list[Event]:
         try:
