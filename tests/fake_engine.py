@@ -269,6 +269,23 @@ def check_invariants(sched: Scheduler) -> None:
     assert st.running + st.paused <= sched._limits.max_rows
 
 
+PER_REQUEST_OPS = ("cancel", "pause", "resume", "fail_row")
+
+
+def act_on(sched: Scheduler, engine: FakeEngine, op: str, request_id: str) -> None:
+    """A random workload's operation on one request (PER_REQUEST_OPS; fail_row: its next row fails)."""
+    if op == "cancel":
+        sched.cancel(request_id)
+    elif op == "pause":
+        sched.pause(request_id)
+    elif op == "resume":
+        sched.resume(request_id)
+    elif op == "fail_row":
+        engine.fail_rows.add(request_id)
+    else:
+        raise ValueError(f"{op!r} is not one of {PER_REQUEST_OPS}")
+
+
 def drain(sched: Scheduler, max_steps: int = 5000) -> dict[str, list[Event]]:
     """Step until idle; events by request id. Checks invariants after every step."""
     events: dict[str, list[Event]] = {}

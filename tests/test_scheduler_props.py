@@ -3,7 +3,7 @@ event per request. Bounded so it runs in seconds."""
 from __future__ import annotations
 
 import pytest
-from fake_engine import check_invariants, drain, make_request, make_scheduler
+from fake_engine import PER_REQUEST_OPS, act_on, check_invariants, drain, make_request, make_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -70,14 +70,8 @@ def test_random_workloads_keep_the_invariants(overlap, cfg, ops, max_waiting):
         elif op == "step":
             clock.now += 0.1
             record(sched.step())
-        elif op == "cancel":
-            sched.cancel(pick)
-        elif op == "pause":
-            sched.pause(pick)
-        elif op == "resume":
-            sched.resume(pick)
-        elif op == "fail_row":
-            engine.fail_rows.add(pick)
+        elif op in PER_REQUEST_OPS:
+            act_on(sched, engine, op, pick)
         elif op == "step_error":
             engine.error_on_steps.add(sched._next_step)
         else:

@@ -4,7 +4,7 @@ keep the invariants and never change an output."""
 from __future__ import annotations
 
 import pytest
-from fake_engine import check_invariants, drain, make_request, make_scheduler
+from fake_engine import act_on, check_invariants, drain, make_request, make_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_speculation import _loud, _run, _speculating
@@ -65,14 +65,8 @@ def test_random_workloads_with_random_acceptance_keep_the_invariants(cfg, ops, k
         elif op == "step":
             clock.now += 0.1
             sched.step()
-        elif op == "cancel":
-            sched.cancel(pick)
-        elif op == "pause":
-            sched.pause(pick)
-        elif op == "resume":
-            sched.resume(pick)
         else:
-            engine.fail_rows.add(pick)
+            act_on(sched, engine, op, pick)
         check_invariants(sched)
     for rid in added:
         sched.resume(rid)
