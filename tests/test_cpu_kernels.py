@@ -97,6 +97,20 @@ def test_paged_attention_rejects_a_table_entry_outside_the_cache():
         pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
 
 
+def test_paged_attention_kernel_checks_decode_rows_lengths():
+    """Decode-only batches are checked by the kernel itself (no walk over the rows in Python): a context
+    past the table's positions, or row starts past q, raise the typed error that names the row."""
+    q, kc, vc, qsl, ctx, tables = _paged([(20, 1), (9, 1)], 4, 2, 64, torch.float32)
+    positions = tables.shape[1] * kc.shape[1]
+    with pytest.raises(ops.OpInputError, match=rf"row 1: .*context_lens \({positions + 1}\) <= max_blocks"):
+        pagedserve.paged_attention(q, kc, vc, qsl, torch.tensor([20, positions + 1], dtype=torch.int32), tables,
+                                   0.125)
+    with pytest.raises(ops.OpInputError, match="end at most at T=2"):
+        pagedserve.paged_attention(q, kc, vc, torch.tensor([0, 1, 3], dtype=torch.int32), ctx, tables, 0.125)
+    out, prefill = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.125)
+    assert prefill == 0 and out.abs().sum() > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_write_kv_matches_reference_and_skips_padding(dtype):
     g = torch.Generator().manual_seed(3)

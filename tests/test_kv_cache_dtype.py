@@ -110,7 +110,7 @@ def test_long_rows_cut_into_shares_match_one_pass(q_dtype, kv_dtype, shares):
     threads, and cuts inside rows and at odd block counts): the merged softmax equals the uncut one."""
     for rows in ([(1000, 1)], [(700, 1), (5, 1), (30, 4), (333, 1), (16, 1)]):
         q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 128, q_dtype, kv_dtype, seed=shares)
-        got = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.0883, shares)
+        got, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.0883, shares)
         want = _decode_reference(q, kc, vc, qsl, ctx, tables, 0.0883)
         decode = [int(qsl[i]) for i, (_, n) in enumerate(rows) if n == 1]
         torch.testing.assert_close(got[decode].double(), want[decode], **tol(q_dtype, kv_dtype))

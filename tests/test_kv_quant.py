@@ -131,7 +131,7 @@ def test_the_cpp_and_torch_write_kv_store_the_same_bytes(fmt, src_dtype):
 def test_decode_rows_on_every_instruction_set(fmt, q_dtype, group, head_dim, lanes):
     q, kc, vc, qsl, ctx, tables = _batch(RAGGED, group, head_dim, q_dtype, fmt, seed=group + head_dim)
     scale = head_dim ** -0.5
-    got = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, scale, 0, lanes)
+    got, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, scale, 0, lanes)
     decode = [int(qsl[i]) for i, (_, n) in enumerate(RAGGED) if n == 1]
     torch.testing.assert_close(got[decode].double(), _decode_reference(q, kc, vc, qsl, ctx, tables, scale)[decode],
                                **tol(q_dtype, fmt))

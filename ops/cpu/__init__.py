@@ -38,14 +38,16 @@ _lib = None                                         # torch.ops.pagedserve_cpu o
 
 def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor,
                         context_lens: Tensor, block_tables: Tensor, scale: float) -> Tensor:
-    starts, ctx = query_start_loc.tolist(), context_lens.tolist()
-    _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])
     stored = k_cache.dtype in KV_CACHE_DTYPES or kv_quant.format_of(k_cache, q.shape[2]) is not None
     if (q.dtype not in KERNEL_DTYPES or not stored or k_cache.stride(3) != 1
             or v_cache.stride() != k_cache.stride() or q.shape[2] % 2):
         return torch_paged_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale)
-    out = _lib.paged_attention_decode(q.contiguous(), k_cache, v_cache, query_start_loc, context_lens,
-                                      block_tables, scale)
+    out, prefill = _lib.paged_attention_decode(q.contiguous(), k_cache, v_cache, query_start_loc, context_lens,
+                                               block_tables, scale)
+    if not prefill:              # decode rows only, and their lengths checked by the kernel
+        return out
+    starts, ctx = query_start_loc.tolist(), context_lens.tolist()
+    _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])   # raises for -1
     for i, n_ctx in enumerate(ctx):
         n = starts[i + 1] - starts[i]
         if n > 1:        # prefill chunks: torch's flash-attention SDPA is already compute-efficient

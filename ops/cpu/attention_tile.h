@@ -43,14 +43,14 @@ using Query = std::conditional_t<kDotBf16<S>, c10::BFloat16, float>;
 // while this block is scored. Into L2, not L1: the tile's working set already fills L1, which evicted the
 // lines before they were used; and spread over the scoring loop, one step per step of the keys (issued all
 // at once per block they arrived later). Forced inline, like every caller up to score_keys: GCC takes a
-// function that only prefetches for one without effects and drops the calls to it.
+// function that only prefetches for one without effects and drops the calls to it. The lines are those of the
+// range's first byte, every 64 bytes on, and its last: a fixed count, with no loop bound to compute per step.
 template <class S, class C>
 PAGEDSERVE_INLINE void prefetch_step(const Elem<C>* row, int64_t d) {
-  const auto* base = reinterpret_cast<const char*>(row);
-  const uintptr_t last = reinterpret_cast<uintptr_t>(base + kv_quant::byte_of<C>(d + 2 * S::W));
-  for (uintptr_t line = reinterpret_cast<uintptr_t>(base + kv_quant::byte_of<C>(d)) & ~uintptr_t{63}; line < last;
-       line += 64)
-    S::prefetch(reinterpret_cast<const void*>(line));
+  constexpr int64_t bytes = kv_quant::byte_of<C>(2 * S::W);
+  const auto* start = reinterpret_cast<const char*>(row) + kv_quant::byte_of<C>(d);
+  for (int64_t off = 0; off < bytes; off += 64) S::prefetch(start + off);
+  S::prefetch(start + bytes - 1);
 }
 
 // Values [d, d + 2W) of a cached row as two fp32 vectors (in simd.h's `lane` order).

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -31,7 +32,9 @@ using namespace pagedserve_cpu::attention;
 namespace kv_quant = pagedserve_cpu::kv_quant;
 
 constexpr int64_t kMinShare = 256;  // positions below which a share is not worth a thread of its own
-constexpr int64_t kAhead = 2;       // blocks between the one being read and the one being prefetched
+// How far ahead of the block being read its row's K/V is prefetched, in bytes (2 to 8 blocks): a distance in
+// blocks undershot small blocks (few kv heads, short heads), whose loads then waited on memory.
+constexpr int64_t kAheadBytes = 32 << 10;
 
 struct Cache {
   int64_t block_stride, slot_stride, head_stride, num_blocks, block_size, dim;
@@ -81,11 +84,13 @@ struct Decode {
   void run(int64_t row, int64_t first, int64_t last, const Query<S>* qs, Partial& st, Scratch<S>& scratch) const {
     const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads, ctx = lens[row];
     const int32_t* blocks = table + row * width;
+    const int64_t block_bytes = 2 * kv_heads * bs * kv_quant::byte_of<C>(dim);
+    const int64_t ahead_blocks = std::clamp<int64_t>(kAheadBytes / block_bytes, 2, 8);
     for (int64_t b = first; b < last; ++b) {
       const int64_t block = blocks[b];
       TORCH_CHECK(block >= 0 && block < cache.num_blocks, "pagedserve::paged_attention: block_tables entry ",
                   block, " for position ", b * bs, " is outside the cache's ", cache.num_blocks, " blocks");
-      const int64_t next = b + kAhead < last ? blocks[b + kAhead] : -1;
+      const int64_t next = b + ahead_blocks < last ? blocks[b + ahead_blocks] : -1;
       const bool ahead = next >= 0 && next < cache.num_blocks;     // a bad entry is reported on its turn
       const int len = static_cast<int>(std::min(bs, ctx - b * bs));
       for (int64_t kv = 0; kv < kv_heads; ++kv) {
@@ -221,12 +226,28 @@ void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
   run(Scalar{}, qf);
 }
 
-// Output like q, zero except the rows with exactly one new token (decode rows), which get their attention.
+// The rows with more than one new token (prefill chunks, which the caller attends), or -1 where the rows'
+// lengths do not fit (0 <= new tokens <= context_lens <= the table's positions, query_start_loc from 0 and
+// within q); the caller then says which row is wrong. Checked here, once per call, so the caller need not
+// walk the rows in Python in every layer.
+int64_t prefill_rows(const int32_t* starts, const int32_t* lens, int64_t rows, int64_t positions, int64_t tokens) {
+  if (starts[0] != 0 || starts[rows] > tokens) return -1;
+  int64_t prefill = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = starts[r + 1] - starts[r];
+    if (n < 0 || n > lens[r] || lens[r] > positions) return -1;
+    prefill += n > 1;
+  }
+  return prefill;
+}
+
+// Output like q, zero except the rows with exactly one new token (decode rows), which get their attention,
+// and prefill_rows' count (with -1 the output is all zeros).
 // q: [T, Hq, D] fp32 or bf16, contiguous; caches [NB, BS, Hk, D] fp32, bf16 or fp16 with unit stride in D,
 // D even, or uint8 [NB, BS, Hk, row bytes] of q8_0 / q4_0 rows (D a multiple of 32; the row bytes say
-// which; K stored rotated); lengths already validated. `shares` > 0 cuts the work into that many pieces
+// which; K stored rotated). `shares` > 0 cuts the work into that many pieces
 // (tests force cuts on small inputs); `lanes` > 0 caps the vector width (tests run the narrower sets).
-at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                                   const at::Tensor& block_tables, double scale, int64_t shares, int64_t lanes) {
   const int64_t dim = q.size(2);
@@ -249,6 +270,8 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
   const auto tables = block_tables.contiguous();
   const int32_t* starts = qsl.data_ptr<int32_t>();
   const int32_t* lens = ctx.data_ptr<int32_t>();
+  const int64_t prefill = prefill_rows(starts, lens, ctx.size(0), tables.size(1) * k_cache.size(1), q.size(0));
+  if (prefill < 0) return {out.to(q.scalar_type()), prefill};
   switch (k_cache.scalar_type()) {
     case at::kFloat: decode<float>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares, lanes); break;
     case at::kBFloat16:
@@ -265,13 +288,13 @@ at::Tensor paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(false, "pagedserve_cpu::paged_attention_decode: K/V cache dtype ", k_cache.scalar_type(),
                   " has no kernel; allowed: float32, bfloat16, float16, uint8 (q8_0, q4_0)");
   }
-  return out.to(q.scalar_type());
+  return {out.to(q.scalar_type()), prefill};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
-        "Tensor context_lens, Tensor block_tables, float scale, int shares=0, int lanes=0) -> Tensor",
+        "Tensor context_lens, Tensor block_tables, float scale, int shares=0, int lanes=0) -> (Tensor, int)",
         &paged_attention_decode);
 }
