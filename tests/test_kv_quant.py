@@ -179,6 +179,20 @@ def test_the_pool_stores_quantized_rows_and_holds_more_tokens():
         KVShape(2, 2, 48, 16, "q4_0")
 
 
+def test_an_engine_refuses_a_quantized_cache_for_its_head_dim_before_loading_weights(tiny_checkpoint, monkeypatch):
+    """The head_dim check runs on the model's config, so a bad kv_cache_dtype fails before the weights load."""
+    import engine.builder
+    from engine import LLM
+
+    def load_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the K/V dtype was checked")
+
+    monkeypatch.setattr(engine.builder, "build_decoder", load_weights)
+    with pytest.raises(KVCacheDtypeError, match="kv_cache_dtype q8_0 needs head_dim a multiple of 32; this model "
+                                                "has 48"):
+        LLM(str(tiny_checkpoint(head_dim=48, heads=2, kv_heads=1)), kv_cache_dtype="q8_0")
+
+
 def test_rotary_mean_is_the_mean_of_the_vector_rotated_to_every_position():
     x = torch.randn(1, 3, 64, generator=_gen(7), dtype=torch.float64)
     table = rope_cos_sin(50, 48, 10000.0)                 # partial rotary: the last 16 channels stay

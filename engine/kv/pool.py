@@ -45,6 +45,14 @@ def resolve_kv_cache_dtype(choice: str, device: torch.device, model_dtype: torch
     return KV_CACHE_DTYPE_NAMES[choice]
 
 
+def check_kv_head_dim(dtype: torch.dtype | str, head_dim: int) -> None:
+    """KVCacheDtypeError if a resolved K/V dtype cannot store heads of `head_dim` values (the builder calls
+    it before the weights load, so a bad choice fails in a moment)."""
+    problem = kv_quant.head_dim_problem(dtype, head_dim) if isinstance(dtype, str) else None
+    if problem:
+        raise KVCacheDtypeError(problem)
+
+
 @dataclass(frozen=True)
 class KVShape:
     """One attention layer's paged K/V, per layer and block; `dtype` is the storage dtype, which may be
@@ -57,9 +65,7 @@ class KVShape:
     dtype: torch.dtype | str
 
     def __post_init__(self):
-        problem = kv_quant.head_dim_problem(self.dtype, self.head_dim) if isinstance(self.dtype, str) else None
-        if problem:
-            raise KVCacheDtypeError(problem)
+        check_kv_head_dim(self.dtype, self.head_dim)
 
     @property
     def slot_dims(self) -> tuple[int, int]:
