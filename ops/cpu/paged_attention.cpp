@@ -247,9 +247,10 @@ int64_t prefill_rows(const int32_t* starts, const int32_t* lens, int64_t rows, i
 // D even, or uint8 [NB, BS, Hk, row bytes] of q8_0 / q4_0 rows (D a multiple of 32; the row bytes say
 // which; K stored rotated). `shares` > 0 cuts the work into that many pieces
 // (tests force cuts on small inputs); `lanes` > 0 caps the vector width (tests run the narrower sets).
-std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                                  const at::Tensor& block_tables, double scale, int64_t shares, int64_t lanes) {
+std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                                       const at::Tensor& v_cache, const at::Tensor& query_start_loc,
+                                                       const at::Tensor& context_lens, const at::Tensor& block_tables,
+                                                       double scale, int64_t shares, int64_t lanes) {
   const int64_t dim = q.size(2);
   const bool quantized = k_cache.scalar_type() == at::kByte;
   const int64_t q8_bytes = dim / kv_quant::kBlock * kv_quant::Q8_0::kBlockBytes;
