@@ -108,7 +108,13 @@ def test_paged_attention_kernel_checks_decode_rows_lengths():
     with pytest.raises(ops.OpInputError, match="end at most at T=2"):
         pagedserve.paged_attention(q, kc, vc, torch.tensor([0, 1, 3], dtype=torch.int32), ctx, tables, 0.125)
     out, prefill = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.125)
-    assert prefill == 0 and out.abs().sum() > 0
+    assert prefill == 0
+    torch.testing.assert_close(out, reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125), **TOL[torch.float32])
+    bad = torch.tensor([20, positions + 1], dtype=torch.int32)
+    out, prefill = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, bad, tables, 0.125)
+    assert prefill == -1 and not out.any()          # refused: nothing attended
+    q, kc, vc, qsl, ctx, tables = _paged([(20, 1), (9, 3), (30, 2)], 4, 2, 64, torch.float32)
+    assert ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.125)[1] == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

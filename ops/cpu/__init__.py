@@ -47,7 +47,8 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
     if not prefill:              # decode rows only, and their lengths checked by the kernel
         return out
     starts, ctx = query_start_loc.tolist(), context_lens.tolist()
-    _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])   # raises for -1
+    if prefill < 0:              # the kernel refused the lengths: name the row
+        _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])
     for i, n_ctx in enumerate(ctx):
         n = starts[i + 1] - starts[i]
         if n > 1:        # prefill chunks: torch's flash-attention SDPA is already compute-efficient
