@@ -57,7 +57,11 @@ def test_monitor_layout(snap_compare, tmp_path):
         await until(pilot, lambda: len(client.live) == 2 and all(r.sent == 2 for r in client.live.values()))
         await pilot.press("f2")
         await until(pilot, lambda: app.monitor.query_one("DataTable").row_count == 2)
-        app._polling.set()                    # no more polls: the picture must not depend on timing
+        # No more polls, so the picture does not depend on timing: `_poll` starts none while the flag is
+        # set, and once it is clear no poll is in flight; the last poll's snapshot is drawn before ours.
+        await until(pilot, lambda: not app._polling.is_set())
+        app._polling.set()
+        await pilot.pause()
         app.monitor.rates.extend([float(i % 12) for i in range(60)])
         app.monitor.show(client.snapshot())
         await settle(pilot)
