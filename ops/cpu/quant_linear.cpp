@@ -237,6 +237,9 @@ void tile_int4(const TileArgs& a, float* out) {
         } else {
           const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi));
           sums[r] = p == 0 ? t : _mm256_add_epi16(sums[r], t);
+          // Each vector's products join their row's sum at once: left alone, GCC 12 reassociated the int16
+          // adds, kept every product of a group live and spilled them to the stack at 4 rows (16 ymm).
+          asm("" : "+x"(sums[r]));
         }
       }
     }
