@@ -161,32 +161,40 @@ class ModelRunner:
     def _batch(self, rows: list[PlanRow], records: list[RowRecord],
                before: tuple[torch.Tensor | None, dict[str, int]] = (None, {})) -> ForwardBatch:
         """The flat batch of `rows`; a PENDING last token is read on the device from the draws of the
-        step `before`."""
+        step `before`. The indices are built on the host from the records' block tables, with list
+        operations per row and block, and go to the device in two copies: on a CPU one small tensor
+        op costs more than a row's list work."""
         dev, bs = self.device, self.pool.shape.block_size
-        lens = torch.tensor([len(r.token_ids) for r in rows], dtype=torch.int64)
-        starts = torch.tensor([r.start_pos for r in rows], dtype=torch.int64)
-        row_of = torch.repeat_interleave(torch.arange(len(rows)), lens)
-        qsl = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        qsl[1:] = lens.cumsum(0)
-        positions = starts[row_of] + torch.arange(int(qsl[-1])) - qsl[:-1][row_of]
-        # the flat index of every drawn position: a sampling row's last token, a verify row's last
-        # 1 + num_draft
-        ends = qsl[1:].tolist()
-        drawn = [e - 1 - d for r, e in zip(rows, ends) if r.sample for d in range(r.num_draft, -1, -1)]
-        ids = [t for r in rows for t in r.token_ids]
-        width = -(-max(r.end_pos for r in rows) // bs)
-        index = on_device([rec.index for rec in records], dev)
-        tables = self._tables[:, :width].index_select(0, index)
-        positions, row_of, input_ids = on_device(positions, dev), on_device(row_of, dev), on_device(ids, dev)
-        pending = [(e - 1, before[1][r.request_id]) for r, e in zip(rows, ends) if r.token_ids[-1] == PENDING]
+        ids, positions, slots, drawn, pending, starts, ends = [], [], [], [], [], [0], []
+        for r, rec in zip(rows, records):
+            start = r.start_pos
+            end = start + len(r.token_ids)
+            ids += r.token_ids
+            positions += range(start, end)
+            table = rec.block_table
+            for b in range(start // bs, -(-end // bs)):
+                base = (table[b] - b) * bs
+                slots += range(base + max(start, b * bs), base + min(end, (b + 1) * bs))
+            at = starts[-1] + end - start       # the row's end in the flat batch
+            if r.sample:        # the drawn positions: the last token, a verify row's last 1 + num_draft
+                drawn += range(at - 1 - r.num_draft, at)
+            if r.token_ids[-1] == PENDING:
+                pending += [at - 1, before[1][r.request_id]]
+            starts.append(at)
+            ends.append(end)
+        n, s = len(ids), len(drawn)
+        flat = on_device(ids + positions + slots + drawn + [rec.index for rec in records] + pending, dev)
+        lens = on_device(starts + ends, dev, torch.int32)
+        input_ids, index = flat[:n], flat[3 * n + s:3 * n + s + len(rows)]
         if pending:
-            at, src = zip(*pending)
-            input_ids[on_device(at, dev)] = before[0][on_device(src, dev)]
+            at, src = flat[3 * n + s + len(rows):].view(-1, 2).unbind(1)
+            input_ids[at] = before[0][src]
+        width = -(-max(ends) // bs)
         return ForwardBatch(
-            input_ids=input_ids, positions=positions,
-            slot_mapping=tables[row_of, positions // bs].long() * bs + positions % bs,
-            block_tables=tables, query_start_loc=on_device(qsl, dev, torch.int32),
-            context_lens=on_device(starts + lens, dev, torch.int32), logits_indices=on_device(drawn, dev))
+            input_ids=input_ids, positions=flat[n:2 * n], slot_mapping=flat[2 * n:3 * n],
+            block_tables=self._tables[:, :width].index_select(0, index),
+            query_start_loc=lens[:len(starts)], context_lens=lens[len(starts):],
+            logits_indices=flat[3 * n:3 * n + s])
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.launch(plan).result()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ from tiny_models import hf_model
 
 from engine import LLM, SamplingParams
 from engine.client import EngineClient
-from engine.contracts import ContractError, PlanRow, RowKind, StepPlan
+from engine.contracts import PENDING, ContractError, PlanRow, RowKind, StepPlan
 from engine.plan_ledger import PlanLedger
 
 PARAMS = SamplingParams(temperature=0)
@@ -185,3 +186,29 @@ def test_a_decode_step_does_the_same_work_at_context_100_and_10000(tiny_checkpoi
               max_concurrency=2, prefix_cache=False)
     short, long = _calls_per_step(llm, 100), _calls_per_step(llm, 10_004)
     assert short == long
+
+
+def test_the_batch_maps_rows_that_start_mid_block_onto_their_tables(model_path):
+    """The runner's flat batch, built on the host from the records: positions, slots (block id *
+    block size + offset) across block boundaries, row offsets, drawn positions of a verify row, and
+    a PENDING token taken from the previous step's draws."""
+    llm = _llm(model_path, kv_pool_tokens=512)
+    runner, bs = llm.engine.runner, llm.engine.pool.shape.block_size
+    rows = [_row("a", 0, range(1, bs + 6), blocks=(7, 3), fresh=True),
+            _row("b", bs - 2, (9, 8, PENDING), blocks=(4, 11), fresh=True)]
+    rows[1] = replace(rows[1], num_draft=2, kind=RowKind.DECODE)      # a verify row: 2 proposals
+    plan = StepPlan(0, tuple(rows))
+    _, records = runner.ledger.begin(plan)
+    runner._update(plan, records)
+    batch = runner._batch(list(rows), records, (torch.tensor([50, 60]), {"b": 1}))
+    want_pos = list(range(bs + 5)) + [bs - 2, bs - 1, bs]
+    tables = [(7, 3), (4, 11)]
+    row_of = [0] * (bs + 5) + [1] * 3
+    assert batch.positions.tolist() == want_pos
+    assert batch.slot_mapping.tolist() == [tables[r][p // bs] * bs + p % bs for r, p in zip(row_of, want_pos)]
+    assert batch.input_ids.tolist() == list(range(1, bs + 6)) + [9, 8, 60]
+    assert batch.query_start_loc.tolist() == [0, bs + 5, bs + 8]
+    assert batch.context_lens.tolist() == [bs + 5, bs + 1]
+    assert batch.logits_indices.tolist() == [bs + 4, bs + 5, bs + 6, bs + 7]   # a's last; b's last 1 + 2
+    assert batch.block_tables.tolist() == [list(t) for t in tables]
+    llm.close()
