@@ -1,8 +1,8 @@
 """Compile the C++ kernels (.cpp, with their .h) in this folder into one torch extension, once per source/CPU/torch combination.
 
-The build goes to the user cache dir, keyed by a hash of the sources and flags, the CPU's feature flags
-(the code is built with -march=native, so a cache shared between machines must not mix them) and the
-torch version; a later process finds it there and loads it in milliseconds.
+The build goes to the user cache dir, keyed by a hash of the sources, their folder and the flags, the
+CPU's feature flags (the code is built with -march=native, so a cache shared between machines must not
+mix them) and the torch version; a later process finds it there and loads it in milliseconds.
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def _cpu_identity() -> str:
 
 
 def _build_key(sources: list[Path]) -> str:
-    digest = hashlib.sha256()
+    # the folder too: ninja rebuilt a build dir each time another checkout's paths loaded it (a bench
+    # alternating two worktrees compiled every run)
+    digest = hashlib.sha256(str(SOURCE_DIR).encode())
     headers = sorted(SOURCE_DIR.glob("*.h"))
     for part in [*(p.read_bytes() for p in [*sources, *headers]), " ".join(CFLAGS).encode(), _cpu_identity().encode(),
                  torch.__version__.encode()]:
