@@ -361,3 +361,20 @@ async def test_the_monitor_shows_client_names_as_text_not_markup(tmp_path):
         await until(pilot, lambda: table.row_count == 3)
         shown = [table.get_row_at(i)[1] for i in range(3)]
         assert [cell.plain for cell in shown] == names and not any(cell.spans for cell in shown)
+
+
+async def test_a_snapshot_that_arrives_before_the_monitor_is_mounted_is_drawn_on_mount(tmp_path):
+    """The app shows the monitor's snapshots once it has pushed the screen, which may be before the
+    screen's widgets exist: that snapshot is drawn when they do, and the app keeps running."""
+    from console.client import EngineSnapshot
+    from textual.widgets import Label
+    client = FakeClient()
+    app = make_app(tmp_path, client)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await until(pilot, lambda: app.ready)
+        app._polling.set()              # no polls: this test hands the monitor its snapshot itself
+        app.monitor.show(EngineSnapshot(running=7, waiting=2, blocks_used=3, blocks_total=64))
+        await pilot.press("f2")
+        await pilot.pause()
+        assert app.screen is app.monitor
+        assert "running 7 · waiting 2" in str(app.monitor.query_one("#counts", Label).render())

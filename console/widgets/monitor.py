@@ -55,6 +55,10 @@ class MonitorScreen(Screen):
     def __init__(self) -> None:
         super().__init__(id="monitor")
         self.rates: deque[float] = deque([0.0] * HISTORY, maxlen=HISTORY)
+        # A snapshot can arrive after the app pushed this screen but before its widgets exist: it
+        # is kept and drawn on mount (querying the widgets then raised NoMatches and ended the app).
+        self._mounted = False
+        self._early: EngineSnapshot | None = None
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="gauges"):
@@ -75,9 +79,13 @@ class MonitorScreen(Screen):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.show(EngineSnapshot())
+        self._mounted = True
+        self.show(self._early or EngineSnapshot())
 
     def show(self, snap: EngineSnapshot) -> None:
+        if not self._mounted:
+            self._early = snap
+            return
         self.query_one("#kv", ProgressBar).update(total=max(snap.blocks_total, 1), progress=snap.blocks_used)
         self.query_one("#slots", ProgressBar).update(total=max(snap.slots_total, 1), progress=snap.slots_used)
         self.query_one("#counts", Label).update(
