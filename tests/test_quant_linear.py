@@ -206,6 +206,29 @@ def test_vnni_and_maddubs_tiles_give_the_same_bits(bits, with_mins, two_level):
             assert torch.equal(*outs), f"bits={bits} M={m} N={n} K={k}"
 
 
+@pytest.mark.parametrize("bits, with_mins, two_level", [f for f in FORMATS if f[0] != 8])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_matrix_and_vector_tiles_give_the_same_bits(bits, with_mins, two_level, dtype):
+    """The matrix-tile path (AMX where the CPU grants it, the same integer sums in scalar code elsewhere) and
+    the vector tiles agree bit for bit: row counts below, at and past one 16-row tile, an odd tile count (its
+    last tile takes the vector kernels) and an odd group count."""
+    shapes = [(24, 256), (40, 512), (16, 1536)] + ([] if two_level else [(16, 96)])
+    for n, k in shapes:
+        groups = _random_groups(n, k, bits, with_mins, seed=n + 7 * k, two_level=two_level)
+        w = QuantizedWeight.from_groups(*groups[:3], bits, groups[3])
+        for m in (1, 6, 9, 13, 16, 17, 40):
+            x = _activations(m, k, dtype, seed=m + k)
+            outs = [torch.ops.pagedserve_cpu.quant_linear(x, w.qweight, w.scales, w.mins, w.supers, w.bits,
+                                                          w.out_features, None, matrix) for matrix in (True, False)]
+            assert torch.equal(*outs), f"bits={bits} M={m} N={n} K={k} {dtype}"
+
+
+def test_matrix_rows_say_when_the_default_takes_the_matrix_tiles():
+    rows = torch.ops.pagedserve_cpu.quant_linear_matrix_rows()
+    amx = "amx_int8" in open("/proc/cpuinfo").read()
+    assert rows == 0 or (amx and rows > 1), f"matrix rows {rows} on a CPU {'with' if amx else 'without'} AMX-INT8"
+
+
 def test_reference_is_close_to_the_float_product():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(16, 1024, generator=g)

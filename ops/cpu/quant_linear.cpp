@@ -31,11 +31,13 @@
 #include <vector>
 
 #include "bf16.h"
+#include "quant_tiles.h"
 
 namespace {
 
 using pagedserve_cpu::from_float;
 using pagedserve_cpu::to_float;
+namespace mtile = pagedserve_cpu::tiles;
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kHalf = 16;             // values per int6 sub-scale
@@ -43,6 +45,7 @@ constexpr int32_t kInt6Offset = 32;       // an int6 q stands for q - 32
 constexpr int64_t kSuper = 8;             // groups per two-level factor
 constexpr int64_t kTile = 8;              // output rows per weight tile
 constexpr int kRowBlock = 4;              // x rows sharing one unpacked tile-group (register budget)
+constexpr int64_t kMatrixRows = 6;        // calls with this many x rows use AMX tiles where the CPU has them
 constexpr int64_t kChunkBytes = 256 << 10;  // quantized x rows kept hot per pass over a thread's tiles
 // The weight stream is prefetched this far ahead of the group being read: with the hardware prefetcher
 // alone a 17920x1536 int4 layer at M=1 took 0.77-1.09 ms, with this 0.69-0.72 (builds alternated).
@@ -109,11 +112,12 @@ void quantize_block(const T* x, int8_t* q, float* dx_out, float* dx_sum_out, int
   *halves_out = pack_halves(first, second);
 }
 
+// q has `padded` >= rows rows, the rows past `rows` zero (the matrix tiles read 16 rows at a time).
 template <typename T>
-Activations quantize_activations(const T* x, int64_t rows, int64_t k) {
+Activations quantize_activations(const T* x, int64_t rows, int64_t padded, int64_t k) {
   const int64_t groups = k / kGroup;
-  Activations a{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups), std::vector<float>(rows * groups),
-                std::vector<int32_t>(rows * groups)};
+  Activations a{std::vector<int8_t>(padded * k), std::vector<float>(padded * groups), std::vector<float>(padded * groups),
+                std::vector<int32_t>(padded * groups)};
   at::parallel_for(0, rows * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
       quantize_block(x + b * kGroup, a.q.data() + b * kGroup, &a.dx[b], &a.dx_sum[b], &a.half_sums[b]);
@@ -430,9 +434,202 @@ void run_rows(const TileArgs& a, int bits, bool vnni, int rows, float* out) {
   }
 }
 
+inline void point_at_rows(TileArgs& a, const Activations& act, int64_t m) {
+  a.xq = act.q.data() + m * a.k;
+  a.dx = act.dx.data() + m * a.groups;
+  a.dx_sum = act.dx_sum.data() + m * a.groups;
+  a.half_sums = act.half_sums.data() + m * a.groups;
+}
+
+// Matrix tiles (ops/cpu/quant_tiles.h) for two adjacent 8-row weight tiles (TileArgs with two-level factors in
+// kernel form): acc [block, 16] = x rows m.. times the pair's 16 outputs. Each (row, output, group) gets the
+// int32 sum the vector tiles compute and the same fp32 operations in the same order (scale * dx, then two
+// fmas), so both paths give the same bits. Groups are unpacked just before their products, per 16 rows.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+inline __m512i join_bytes(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+inline __m512 join_floats(const float* a, const float* b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+
+// group g of both tiles as B (quant_tiles.h's layout)
+inline void unpack_group(const TileArgs (&pair)[2], int bits, int64_t g, int8_t* b) {
+  const int64_t group_bytes = bits == 4 ? 128 : 192;
+  const auto* t0 = static_cast<const uint8_t*>(pair[0].weight) + g * group_bytes;
+  const auto* t1 = static_cast<const uint8_t*>(pair[1].weight) + g * group_bytes;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), offset = _mm512_set1_epi8(32);
+  for (int p = 0; p < 4; ++p) {
+    const __m512i v = join_bytes(t0 + 32 * p, t1 + 32 * p);
+    __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    if (bits == 6) {   // bits 4-5 from the code at H[p / 2], shifted by 4 * (p % 2); then the offset
+      const int at = 128 + 32 * (p / 2);
+      const __m512i h = join_bytes(t0 + at, t1 + at);
+      const __m512i code = p % 2 ? _mm512_srli_epi16(h, 4) : h;
+      lo = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(code, 4), top)), offset);
+      hi = _mm512_sub_epi8(_mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi16(code, 2), top)), offset);
+    }
+    _mm512_store_si512(b + 128 * p, lo);
+    _mm512_store_si512(b + 128 * p + 64, hi);
+  }
+}
+
+// group g's 16 scales (and mins): two-level as sub * super, flat as stored, int6 the supers
+__attribute__((always_inline)) inline void pair_factors(const TileArgs (&pair)[2], int bits, int64_t g, bool has_mins,
+                                                       __m512& scale, __m512& min) {
+  const TileArgs &a = pair[0], &b = pair[1];
+  if (bits == 6) {
+    scale = join_floats(a.supers + (g / kSuper) * kTile, b.supers + (g / kSuper) * kTile);
+  } else if (a.subs != nullptr) {
+    const int64_t at = (g / kSuper) * a.super_count * kTile;
+    auto times_super = [&](const uint8_t* s0, const uint8_t* s1, int which) {
+      const __m128i sub = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s0 + g * kTile)),
+                                             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s1 + g * kTile)));
+      return _mm512_mul_ps(join_floats(a.supers + at + which * kTile, b.supers + at + which * kTile),
+                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub)));
+    };
+    scale = times_super(a.subs, b.subs, 0);
+    if (has_mins) min = times_super(a.sub_mins, b.sub_mins, 1);
+  } else {
+    scale = join_floats(a.scales + g * kTile, b.scales + g * kTile);
+    if (has_mins) min = join_floats(a.mins + g * kTile, b.mins + g * kTile);
+  }
+}
+
+template <int MR>
+void tile_pair_rows(const TileArgs (&pair)[2], int bits, const mtile::Products& products, const Activations& act,
+                    int64_t m, int block, float* acc) {
+  constexpr int kC = mtile::kCols;
+  const int64_t k = pair[0].k, groups = pair[0].groups;
+  const bool has_mins = pair[0].sub_mins != nullptr || pair[0].mins != nullptr;
+  const int8_t* xq = act.q.data() + m * k;
+  const float* dx = act.dx.data() + m * groups;
+  const float* dx_sum = act.dx_sum.data() + m * groups;
+  alignas(64) int8_t b[3][2 * mtile::kGroupB];          // three units' B
+  alignas(64) int32_t c[2][2][mtile::kRows * kC];   // two units' products
+  __m512 sum[MR], scale, min = _mm512_setzero_ps();
+  for (int r = 0; r < MR; ++r) sum[r] = _mm512_setzero_ps();
+  auto add_group = [&](int64_t g, const int32_t* sums) {
+    pair_factors(pair, bits, g, has_mins, scale, min);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_load_si512(sums + r * kC));
+      sum[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(scale, _mm512_set1_ps(dx[r * groups + g])), sum[r]);
+      if (has_mins) sum[r] = _mm512_fmadd_ps(min, _mm512_set1_ps(dx_sum[r * groups + g]), sum[r]);
+    }
+  };
+  // a unit is two groups (int4; an odd last group is computed twice, added once) or one group's two halves
+  // (int6). The stages of three units overlap: unit u's sums are added while u + 1's products run and u + 2
+  // is unpacked, so neither the vector stores before a tile load nor a tile store before the vector loads stall.
+  const int64_t units = bits == 4 ? (groups + 1) / 2 : groups;
+  auto unpack = [&](int64_t u) {
+    int8_t* bu = b[u % 3];
+    if (bits == 4) {
+      unpack_group(pair, bits, 2 * u, bu);
+      unpack_group(pair, bits, std::min(2 * u + 1, groups - 1), bu + mtile::kGroupB);
+    } else {
+      unpack_group(pair, bits, u, bu);
+    }
+  };
+  auto multiply = [&](int64_t u) {
+    const int8_t* bu = b[u % 3];
+    int32_t* c0 = c[u % 2][0];
+    int32_t* c1 = c[u % 2][1];
+    if (bits == 4)
+      products.two(xq + 2 * u * kGroup, bu, xq + std::min(2 * u + 1, groups - 1) * kGroup, bu + mtile::kGroupB, k,
+                   c0, c1);
+    else
+      products.two(xq + u * kGroup, bu, xq + u * kGroup + kHalf, bu + mtile::kGroupB / 2, k, c0, c1);
+  };
+  auto finish = [&](int64_t u) {
+    int32_t* c0 = c[u % 2][0];
+    const int32_t* c1 = c[u % 2][1];
+    if (bits == 4) {
+      add_group(2 * u, c0);
+      if (2 * u + 1 < groups) add_group(2 * u + 1, c1);
+      return;
+    }
+    // int6: the halves' sums weighed by their sub-scales; per int32 lane (output) its first and its second
+    // half's sub-scale, as the vector tiles take them
+    const __m512i sub = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair[0].half_scales + u * 16))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(pair[1].half_scales + u * 16)), 1));
+    const __m512i first = _mm512_srai_epi32(_mm512_slli_epi32(sub, 16), 16), second = _mm512_srai_epi32(sub, 16);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i h0 = _mm512_load_si512(c0 + r * kC), h1 = _mm512_load_si512(c1 + r * kC);
+      _mm512_store_si512(c0 + r * kC, _mm512_add_epi32(_mm512_mullo_epi32(h0, first), _mm512_mullo_epi32(h1, second)));
+    }
+    add_group(u, c0);
+  };
+  unpack(0);
+  if (units > 1) unpack(1);
+  multiply(0);
+  for (int64_t u = 0; u < units; ++u) {
+    if (u + 1 < units) multiply(u + 1);
+    if (u + 2 < units) unpack(u + 2);
+    finish(u);
+  }
+  for (int r = 0; r < block; ++r) _mm512_storeu_ps(acc + r * kC, sum[r]);
+}
+
+void tile_pair(const TileArgs (&pair)[2], int bits, const mtile::Products& products, const Activations& act,
+               int64_t m, int block, float* acc) {
+  if (block <= 8) tile_pair_rows<8>(pair, bits, products, act, m, block, acc);
+  else if (block <= 12) tile_pair_rows<12>(pair, bits, products, act, m, block, acc);
+  else tile_pair_rows<mtile::kRows>(pair, bits, products, act, m, block, acc);
+}
+#else   // the same sums and fp32 operations as plain loops (AVX-512 is what the tiles are fast with)
+void tile_pair(const TileArgs (&pair)[2], int bits, const mtile::Products& products, const Activations& act,
+               int64_t m, int block, float* acc) {
+  constexpr int kC = mtile::kCols;
+  const int64_t k = pair[0].k, groups = pair[0].groups;
+  const bool has_mins = pair[0].sub_mins != nullptr || pair[0].mins != nullptr;
+  const int8_t* xq = act.q.data() + m * k;
+  alignas(64) int8_t b[mtile::kGroupB];
+  alignas(64) int32_t c[2][mtile::kRows * kC];
+  std::fill(acc, acc + block * kC, 0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t group_bytes = bits == 4 ? 128 : 192;
+    const auto* t0 = static_cast<const uint8_t*>(pair[0].weight) + g * group_bytes;
+    const auto* t1 = static_cast<const uint8_t*>(pair[1].weight) + g * group_bytes;
+    if (bits == 4) {
+      mtile::unpack_int4(t0, t1, b);
+      products.two(xq + g * kGroup, b, xq + g * kGroup, b, k, c[0], c[1]);
+    } else {
+      mtile::unpack_int6(t0, t1, b);
+      products.two(xq + g * kGroup, b, xq + g * kGroup + kHalf, b + mtile::kGroupB / 2, k, c[0], c[1]);
+    }
+    for (int j = 0; j < kC; ++j) {
+      const TileArgs& a = pair[j / kTile];
+      const int i = j % kTile;
+      float scale, min = 0.f;
+      if (bits == 6) {
+        scale = a.supers[(g / kSuper) * kTile + i];
+        const int8_t* half = a.half_scales + (g * kTile + i) * 2;
+        for (int r = 0; r < block; ++r) c[0][r * kC + j] = c[0][r * kC + j] * half[0] + c[1][r * kC + j] * half[1];
+      } else if (a.subs != nullptr) {
+        const float* super = a.supers + (g / kSuper) * a.super_count * kTile;
+        scale = super[i] * static_cast<float>(a.subs[g * kTile + i]);
+        if (has_mins) min = super[kTile + i] * static_cast<float>(a.sub_mins[g * kTile + i]);
+      } else {
+        scale = a.scales[g * kTile + i];
+        if (has_mins) min = a.mins[g * kTile + i];
+      }
+      for (int r = 0; r < block; ++r) {
+        float& out = acc[r * kC + j];
+        out = std::fma(static_cast<float>(c[0][r * kC + j]), scale * act.dx[(m + r) * groups + g], out);
+        if (has_mins) out = std::fma(min, act.dx_sum[(m + r) * groups + g], out);
+      }
+    }
+  }
+}
+#endif
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& supers,
-                        int64_t bits, int64_t out_features, std::optional<bool> vnni_opt) {
+                        int64_t bits, int64_t out_features, std::optional<bool> vnni_opt,
+                        std::optional<bool> matrix_opt) {
   const char* op = "pagedserve_cpu::quant_linear";
 #ifdef __AVX2__
   const bool vnni = vnni_opt.value_or(kHasVnni);   // false: the maddubs tiles (tests run both)
@@ -467,10 +664,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                 ", 8] with K a multiple of 256, got ", supers->sizes());
   TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, op, ": out_features=",
               out_features, " does not fit ", tiles, " tiles of 8 rows");
+  // matrix tiles: asked for (emulated without AMX), or by default where AMX runs and the call has enough rows
+  const bool amx = mtile::hardware();
+  const bool matrix = bits != 8 && matrix_opt.value_or(amx && rows >= kMatrixRows);
   auto out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
   PAGEDSERVE_DISPATCH_F32_BF16(x.scalar_type(), op, [&] {
-    const Activations act = quantize_activations(static_cast<const scalar_t*>(x.data_ptr()), rows, k);
+    const Activations act = quantize_activations(static_cast<const scalar_t*>(x.data_ptr()), rows,
+                                                 matrix ? (rows + mtile::kRows - 1) / mtile::kRows * mtile::kRows : rows, k);
     auto* y = static_cast<scalar_t*>(out.data_ptr());
     const auto* w = static_cast<const uint8_t*>(qweight.data_ptr());
     // two-level: uint8 (int6: int8) sub-values and their supers; flat: the fp32 factors themselves
@@ -482,44 +683,80 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     const int64_t tile_factors = groups * kTile;
     const int64_t chunk = std::max<int64_t>(kRowBlock, kChunkBytes / k / kRowBlock * kRowBlock);
     const bool in_kernel = int6 || (two_level && rows <= kRowBlock);   // see expand_factors
+    // tile t's weights and factors; two-level factors multiplied out into `expanded` unless `in_kernel`
+    auto tile_args = [&](int64_t t, bool in_kernel, std::vector<float>& expanded) {
+      TileArgs args{w + t * groups * group_bytes, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, k, groups};
+      const float* tile_supers = two_level ? sup + t * (groups / kSuper) * super_count * kTile : nullptr;
+      if (int6) {
+        args.half_scales = reinterpret_cast<const int8_t*>(subs) + t * tile_factors * 2;
+        args.supers = tile_supers;
+      } else if (two_level && in_kernel) {
+        args.subs = subs + t * tile_factors;
+        args.sub_mins = has_mins ? sub_mins + t * tile_factors : nullptr;
+        args.supers = tile_supers;
+        args.super_count = super_count;
+      } else if (two_level) {
+        expand_factors(subs + t * tile_factors, tile_supers, 0, super_count, groups, expanded.data());
+        args.scales = expanded.data();
+        if (has_mins) {
+          expand_factors(sub_mins + t * tile_factors, tile_supers, 1, super_count, groups,
+                         expanded.data() + tile_factors);
+          args.mins = expanded.data() + tile_factors;
+        }
+      } else {
+        args.scales = flat_scales + t * tile_factors;
+        args.mins = has_mins ? flat_mins + t * tile_factors : nullptr;
+      }
+      return args;
+    };
+    auto write = [&](const float* acc, int64_t m, int block, int64_t n0, int64_t width) {
+      const int64_t valid = std::min(width, out_features - n0);
+      for (int r = 0; r < block; ++r)
+        for (int64_t j = 0; j < valid; ++j) y[(m + r) * out_features + n0 + j] = from_float<scalar_t>(acc[r * width + j]);
+    };
+    if (matrix) {
+      // tile pairs, then a lone last tile on the vector kernels
+      const int64_t pairs = tiles / 2, tile_chunk = std::max<int64_t>(mtile::kRows, chunk / mtile::kRows * mtile::kRows);
+      at::parallel_for(0, pairs + tiles % 2, 1, [&](int64_t begin, int64_t end) {
+        const mtile::Products products(int6 ? kHalf : kGroup, static_cast<int>(std::min<int64_t>(rows, mtile::kRows)), amx);
+        std::vector<float> unused;
+        float acc[mtile::kRows * mtile::kCols];
+        for (int64_t m0 = 0; m0 < rows; m0 += tile_chunk) {
+          const int64_t m_end = std::min(rows, m0 + tile_chunk);
+          for (int64_t i = begin; i < end; ++i) {
+            if (i == pairs) {
+              TileArgs args = tile_args(2 * i, true, unused);
+              for (int64_t m = m0; m < m_end; m += kRowBlock) {
+                const int block = static_cast<int>(std::min<int64_t>(kRowBlock, m_end - m));
+                point_at_rows(args, act, m);
+                run_rows(args, static_cast<int>(bits), vnni, block, acc);
+                write(acc, m, block, 2 * i * kTile, kTile);
+              }
+              continue;
+            }
+            const TileArgs pair[2] = {tile_args(2 * i, true, unused), tile_args(2 * i + 1, true, unused)};
+            for (int64_t m = m0; m < m_end; m += mtile::kRows) {
+              const int block = static_cast<int>(std::min<int64_t>(mtile::kRows, m_end - m));
+              tile_pair(pair, static_cast<int>(bits), products, act, m, block, acc);
+              write(acc, m, block, 2 * i * kTile, mtile::kCols);
+            }
+          }
+        }
+      });
+      return;
+    }
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       float acc[kRowBlock * kTile];
       std::vector<float> expanded(two_level && !in_kernel ? tile_factors * super_count : 0);
       for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
         const int64_t m_end = std::min(rows, m0 + chunk);
         for (int64_t t = begin; t < end; ++t) {
-          const int64_t n0 = t * kTile, valid = std::min(kTile, out_features - n0);
-          TileArgs args{w + t * groups * group_bytes, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, k, groups};
-          const float* tile_supers = two_level ? sup + t * (groups / kSuper) * super_count * kTile : nullptr;
-          if (int6) {
-            args.half_scales = reinterpret_cast<const int8_t*>(subs) + t * tile_factors * 2;
-            args.supers = tile_supers;
-          } else if (in_kernel) {
-            args.subs = subs + t * tile_factors;
-            args.sub_mins = has_mins ? sub_mins + t * tile_factors : nullptr;
-            args.supers = tile_supers;
-            args.super_count = super_count;
-          } else if (two_level) {
-            expand_factors(subs + t * tile_factors, tile_supers, 0, super_count, groups, expanded.data());
-            args.scales = expanded.data();
-            if (has_mins) {
-              expand_factors(sub_mins + t * tile_factors, tile_supers, 1, super_count, groups,
-                             expanded.data() + tile_factors);
-              args.mins = expanded.data() + tile_factors;
-            }
-          } else {
-            args.scales = flat_scales + t * tile_factors;
-            args.mins = has_mins ? flat_mins + t * tile_factors : nullptr;
-          }
+          TileArgs args = tile_args(t, in_kernel, expanded);
           for (int64_t m = m0; m < m_end; m += kRowBlock) {
             const int block = static_cast<int>(std::min<int64_t>(kRowBlock, m_end - m));
-            args.xq = act.q.data() + m * k;
-            args.dx = act.dx.data() + m * groups;
-            args.dx_sum = act.dx_sum.data() + m * groups;
-            args.half_sums = act.half_sums.data() + m * groups;
+            point_at_rows(args, act, m);
             run_rows(args, static_cast<int>(bits), vnni, block, acc);
-            for (int r = 0; r < block; ++r)
-              for (int64_t j = 0; j < valid; ++j) y[(m + r) * out_features + n0 + j] = from_float<scalar_t>(acc[r * kTile + j]);
+            write(acc, m, block, t * kTile, kTile);
           }
         }
       }
@@ -532,6 +769,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? supers, int bits, "
-        "int out_features, bool? vnni=None) -> Tensor",
+        "int out_features, bool? vnni=None, bool? matrix=None) -> Tensor",
         &quant_linear);
+  m.def("quant_linear_matrix_rows() -> int", [] { return mtile::hardware() ? kMatrixRows : int64_t{0}; });
 }
