@@ -52,13 +52,13 @@ def _category(name: str) -> str | None:
 
 def _wrap_sampling() -> None:
     """Label the runner's sampling call so its ops land in their own row (the runner is not edited)."""
-    sample = engine.runner.sample
+    draw = engine.runner.draw
 
     def labelled(*args, **kwargs):
         with torch.profiler.record_function("sampling"):
-            return sample(*args, **kwargs)
+            return draw(*args, **kwargs)
 
-    engine.runner.sample = labelled
+    engine.runner.draw = labelled
 
 
 def _breakdown(prof, steps: int, wall_s: float) -> dict[str, float]:
