@@ -15,6 +15,8 @@
 // group's super and dx.
 // Threads split the weight's 8-row tiles; within a thread a chunk of x rows stays in L2 while its tiles
 // stream by, and each tile-group of weights is unpacked once for up to kRowBlock x rows.
+// Calls with kMatrixRows or more x rows on a CPU with AMX-INT8 take pairs of tiles through matrix tiles
+// instead (tile_pair, ops/cpu/quant_tiles.h): the same int32 sums and fp32 steps, so the same bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
