@@ -716,6 +716,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       for (int r = 0; r < block; ++r)
         for (int64_t j = 0; j < valid; ++j) y[(m + r) * out_features + n0 + j] = from_float<scalar_t>(acc[r * width + j]);
     };
+    // tile t times x rows [m0, m_end) on the vector kernels, kRowBlock rows at a time
+    auto vector_rows = [&](TileArgs& args, int64_t t, int64_t m0, int64_t m_end, float* acc) {
+      for (int64_t m = m0; m < m_end; m += kRowBlock) {
+        const int block = static_cast<int>(std::min<int64_t>(kRowBlock, m_end - m));
+        point_at_rows(args, act, m);
+        run_rows(args, static_cast<int>(bits), vnni, block, acc);
+        write(acc, m, block, t * kTile, kTile);
+      }
+    };
     if (matrix) {
       // tile pairs, then a lone last tile on the vector kernels
       const int64_t pairs = tiles / 2, tile_chunk = std::max<int64_t>(mtile::kRows, chunk / mtile::kRows * mtile::kRows);
@@ -728,12 +737,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
           for (int64_t i = begin; i < end; ++i) {
             if (i == pairs) {
               TileArgs args = tile_args(2 * i, true, unused);
-              for (int64_t m = m0; m < m_end; m += kRowBlock) {
-                const int block = static_cast<int>(std::min<int64_t>(kRowBlock, m_end - m));
-                point_at_rows(args, act, m);
-                run_rows(args, static_cast<int>(bits), vnni, block, acc);
-                write(acc, m, block, 2 * i * kTile, kTile);
-              }
+              vector_rows(args, 2 * i, m0, m_end, acc);
               continue;
             }
             const TileArgs pair[2] = {tile_args(2 * i, true, unused), tile_args(2 * i + 1, true, unused)};
@@ -754,12 +758,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
         const int64_t m_end = std::min(rows, m0 + chunk);
         for (int64_t t = begin; t < end; ++t) {
           TileArgs args = tile_args(t, in_kernel, expanded);
-          for (int64_t m = m0; m < m_end; m += kRowBlock) {
-            const int block = static_cast<int>(std::min<int64_t>(kRowBlock, m_end - m));
-            point_at_rows(args, act, m);
-            run_rows(args, static_cast<int>(bits), vnni, block, acc);
-            write(acc, m, block, t * kTile, kTile);
-          }
+          vector_rows(args, t, m0, m_end, acc);
         }
       }
     });
