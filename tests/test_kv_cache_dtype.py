@@ -25,8 +25,28 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 QUANT_BF16_TOL = dict(atol=4e-2, rtol=2e-2)
 
 
+# The C++ decode kernel on CPUs with AVX-512 VNNI scores quantized caches with integer dot products
+# (ops/cpu/attention_int8.h; the extension is built for this CPU): queries in two int8 parts
+# (kv_quant.int8_queries), values weighed in int16 steps of a chunk's largest block scale / 32767. Outputs
+# are within ~1e-4 of the float64 attention of those queries (measured up to 3e-4 on outputs of size ~3).
+_FLAGS = open("/proc/cpuinfo").read().split()
+INT8_DOTS = "avx512_vnni" in _FLAGS and "avx512bw" in _FLAGS
+INT8_TOL = dict(atol=1e-3, rtol=1e-4)
+
+
 def tol(q_dtype, kv_dtype) -> dict:
     return QUANT_BF16_TOL if isinstance(kv_dtype, str) and q_dtype == torch.bfloat16 else TOL[q_dtype]
+
+
+def decode_tol(q_dtype, kv_dtype, int8: bool) -> dict:
+    """tol, or INT8_TOL for fp32 queries where the integer dot products served them."""
+    return INT8_TOL if int8 and q_dtype == torch.float32 else tol(q_dtype, kv_dtype)
+
+
+def int8_served(kv_dtype, lanes: int = 0, head_dim: int = 64) -> bool:
+    """Whether the decode kernel serves a call with integer dot products (quantized caches, the widest set,
+    head_dim up to 256)."""
+    return INT8_DOTS and isinstance(kv_dtype, str) and lanes == 0 and head_dim <= 256
 BLOCK = 16
 
 pytestmark = pytest.mark.usefixtures("cpp_kernels")
@@ -111,9 +131,10 @@ def test_long_rows_cut_into_shares_match_one_pass(q_dtype, kv_dtype, shares):
     for rows in ([(1000, 1)], [(700, 1), (5, 1), (30, 4), (333, 1), (16, 1)]):
         q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 128, q_dtype, kv_dtype, seed=shares)
         got, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.0883, shares)
-        want = _decode_reference(q, kc, vc, qsl, ctx, tables, 0.0883)
+        int8 = int8_served(kv_dtype)
+        want = _decode_reference(kv_quant.int8_queries(q) if int8 else q, kc, vc, qsl, ctx, tables, 0.0883)
         decode = [int(qsl[i]) for i, (_, n) in enumerate(rows) if n == 1]
-        torch.testing.assert_close(got[decode].double(), want[decode], **tol(q_dtype, kv_dtype))
+        torch.testing.assert_close(got[decode].double(), want[decode], **decode_tol(q_dtype, kv_dtype, int8))
         assert not got[[t for t in range(q.shape[0]) if t not in decode]].any()   # the kernel's rows only
 
 
@@ -124,8 +145,12 @@ def test_block_sizes_other_than_the_tile(block, kv_dtype):
     rows = [(block - 1, 1), (block + 3, 1), (5 * block, 1), (3 * block, 2)]
     q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 64, torch.float32, kv_dtype, block=block, seed=block)
     got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
-    torch.testing.assert_close(got, reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125),
-                               **TOL[torch.float32])
+    int8 = int8_served(kv_dtype)
+    want = reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
+    decode = [int(qsl[i]) for i, (_, n) in enumerate(rows) if n == 1]
+    if int8:      # decode rows: the integer dot products' queries; the prefill row: SDPA on q
+        want[decode] = reference_paged_attention(kv_quant.int8_queries(q), kc, vc, qsl, ctx, tables, 0.125)[decode]
+    torch.testing.assert_close(got, want, **decode_tol(torch.float32, kv_dtype, int8))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])

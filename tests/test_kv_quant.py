@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from test_kv_cache_dtype import RAGGED, _batch, _decode_reference, empty_cache, tol
+from test_kv_cache_dtype import RAGGED, _batch, _decode_reference, decode_tol, empty_cache, int8_served, tol
 
 import ops
 import ops.cpu
@@ -126,15 +126,18 @@ def test_the_cpp_and_torch_write_kv_store_the_same_bytes(fmt, src_dtype):
 @pytest.mark.usefixtures("cpp_kernels")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group, head_dim", [(1, 128), (2, 64), (7, 64), (6, 128)])
-@pytest.mark.parametrize("lanes", [0, 8, 1])   # the widest set (AVX-512 here; bf16 dots for bf16 q), AVX2, scalar
+# (12: GQA groups past the integer set's 8 heads per pass; 288: past its 256 values per head)
+@pytest.mark.parametrize("group, head_dim", [(1, 128), (2, 64), (7, 64), (6, 128), (12, 64), (2, 256), (1, 288)])
+# the widest set (integer dot products where the CPU has AVX-512 VNNI), fp32 AVX-512, AVX2, scalar
+@pytest.mark.parametrize("lanes", [0, 16, 8, 1])
 def test_decode_rows_on_every_instruction_set(fmt, q_dtype, group, head_dim, lanes):
     q, kc, vc, qsl, ctx, tables = _batch(RAGGED, group, head_dim, q_dtype, fmt, seed=group + head_dim)
     scale = head_dim ** -0.5
     got, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, scale, 0, lanes)
     decode = [int(qsl[i]) for i, (_, n) in enumerate(RAGGED) if n == 1]
-    torch.testing.assert_close(got[decode].double(), _decode_reference(q, kc, vc, qsl, ctx, tables, scale)[decode],
-                               **tol(q_dtype, fmt))
+    int8 = int8_served(fmt, lanes, head_dim)
+    want = _decode_reference(kv_quant.int8_queries(q) if int8 else q, kc, vc, qsl, ctx, tables, scale)
+    torch.testing.assert_close(got[decode].double(), want[decode], **decode_tol(q_dtype, fmt, int8))
 
 
 @pytest.mark.usefixtures("cpp_kernels")
@@ -149,7 +152,13 @@ def test_the_op_with_decode_and_prefill_rows(backend, fmt, q_dtype, group):
     ops.cpu.use_backend(backend)
     got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
     assert got.dtype == q_dtype
-    torch.testing.assert_close(got, reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125), **tol(q_dtype, fmt))
+    int8 = backend == "cpp" and int8_served(fmt)
+    want = reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
+    decode = [int(qsl[i]) for i, (_, n) in enumerate(RAGGED) if n == 1]
+    if int8:      # the C++ kernel's decode rows score with int8 queries; prefill rows go through SDPA
+        want[decode] = reference_paged_attention(kv_quant.int8_queries(q).to(q_dtype), kc, vc, qsl, ctx, tables,
+                                                 0.125)[decode]
+    torch.testing.assert_close(got, want, **decode_tol(q_dtype, fmt, int8))
     assert not got[int(qsl[-1]):].any()
 
 

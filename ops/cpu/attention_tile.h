@@ -62,23 +62,17 @@ PAGEDSERVE_INLINE void load_kv(const Elem<C>* row, int64_t d, typename S::V& a, 
     S::load2(row + d, a, b);
 }
 
-// The dot-product set's loads: values [d, d + 2W) of a row as bf16 in order, and those of two rows (j, j + 1)
-// paired value by value (zeros for b = null; see Avx512Bf16::interleave).
+// The dot-product set's loads (bf16 caches): values [d, d + 2W) of a row as bf16 in order, and those of two
+// rows (j, j + 1) paired value by value (zeros for b = null; see Avx512Bf16::interleave).
 template <class S, class C>
 PAGEDSERVE_INLINE auto load_kv_bf16(const Elem<C>* row, int64_t d) {
-#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
-  if constexpr (kQuant<C>) return kv_quant::load_bf16_quant<C>(row, d);
-#endif
-  if constexpr (!kQuant<C>) return S::load_bf16(row + d);
+  return S::load_bf16(row + d);
 }
 
 template <class S, class C>
 PAGEDSERVE_INLINE void interleave_kv(const Elem<C>* a, const Elem<C>* b, int64_t d, typename S::B& lo,
                                      typename S::B& hi) {
-#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
-  if constexpr (kQuant<C>) kv_quant::interleave_quant<C>(a, b, d, lo, hi);
-#endif
-  if constexpr (!kQuant<C>) S::interleave(a + d, b ? b + d : nullptr, lo, hi);
+  S::interleave(a + d, b ? b + d : nullptr, lo, hi);
 }
 
 // Keys [0, n) and their values of a later block, at the same 2W values as the keys being scored.

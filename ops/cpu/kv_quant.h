@@ -157,24 +157,4 @@ PAGEDSERVE_INLINE void load2_quant(const uint8_t* row, int64_t d, typename S::V&
   }
 }
 
-#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
-// The dot-product set's loads (bf16 queries): the 32 values [d, d + 32) (one block) as bf16 in order, each
-// d * q rounded to bf16 once, as a bf16 cache would hold them.
-template <class F>
-PAGEDSERVE_INLINE __m512bh load_bf16_quant(const uint8_t* row, int64_t d) {
-  __m512 a, b;
-  load2_quant<Avx512, F>(row, d, a, b);
-  return _mm512_cvtne2ps_pbh(b, a);     // a to elements 0..15, b to 16..31
-}
-
-// Avx512Bf16::interleave for the values [d, d + 32) of two quantized rows (zeros for b = null).
-template <class F>
-PAGEDSERVE_INLINE void interleave_quant(const uint8_t* a, const uint8_t* b, int64_t d, __m512bh& lo, __m512bh& hi) {
-  const __m512i x = (__m512i)load_bf16_quant<F>(a, d);
-  const __m512i y = b ? (__m512i)load_bf16_quant<F>(b, d) : _mm512_setzero_si512();
-  lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
-  hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
-}
-#endif
-
 }  // namespace pagedserve_cpu::kv_quant

@@ -3,8 +3,10 @@
 // dequantized: int8 widened, times its block's scale) to fp32 in registers as it is read, and the softmax and
 // accumulators stay in fp32. Quantized K is stored rotated (a 32-point Hadamard transform per block), so the
 // queries are rotated the same way as they are staged; V is not rotated, so outputs need nothing. bf16
-// queries against a bf16 or a quantized cache use the bf16 dot products where the CPU has them (simd.h's
-// Avx512Bf16; quantized values are rounded to bf16 as they are dequantized).
+// queries against a bf16 cache use the bf16 dot products where the CPU has them (simd.h's Avx512Bf16). A
+// quantized cache on a CPU with AVX-512 VNNI is read by attention_int8.h instead: integer dot products
+// over chunks of 64 positions (run_int8), where widening every value to fp32 kept the FMA ports, not
+// memory, the limit.
 //
 // Flash-decoding: the context blocks of all decode rows, laid end to end, are cut into one equal share per
 // thread, so a single long row keeps every core busy and ragged rows balance. A share keeps a running max,
@@ -24,12 +26,16 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_int8.h"
 #include "attention_tile.h"
 
 namespace {
 
 using namespace pagedserve_cpu::attention;
 namespace kv_quant = pagedserve_cpu::kv_quant;
+#ifdef PAGEDSERVE_INT8_DOT
+namespace attention_int8 = pagedserve_cpu::attention_int8;
+#endif
 
 constexpr int64_t kMinShare = 256;  // positions below which a share is not worth a thread of its own
 // How far ahead of the block being read its row's K/V is prefetched, in bytes (2 to 8 blocks): a distance in
@@ -50,6 +56,19 @@ struct Partial {
   }
 };
 
+// The set of attention_int8.h: integer dot products for the scores of a quantized cache.
+#ifdef PAGEDSERVE_INT8_DOT
+struct Int8Dot : Avx512 {};
+using Int8Queries = attention_int8::Queries;
+using Int8Scratch = attention_int8::Scratch;
+#else
+struct Int8Dot {};
+struct Int8Queries {};
+struct Int8Scratch {};
+#endif
+template <class S>
+constexpr bool kInt8 = std::is_same_v<S, Int8Dot>;
+
 template <class S, class C>
 struct Decode {
   const void* q;         // [T, Hq, D], fp32 (bf16 for the dot-product set)
@@ -64,7 +83,7 @@ struct Decode {
   float scale;
 
   // The row's queries in the keys' lane order (bf16 dot products pair keys and queries as stored).
-  void stage(int64_t row, std::vector<Query<S>>& qs) const {
+  void stage(int64_t row, std::vector<Query<S>>& qs, Int8Queries& qi) const {
     const int64_t dim = cache.dim, n = q_heads * dim;
     const auto* src = static_cast<const Query<S>*>(q) + static_cast<int64_t>(starts[row]) * n;
     qs.resize(n);
@@ -78,6 +97,9 @@ struct Decode {
         for (int i = 0; i < kv_quant::kBlock; ++i) qs[at + i] = static_cast<Query<S>>(x[i]);
       }
     }
+#ifdef PAGEDSERVE_INT8_DOT
+    if constexpr (kInt8<S>) attention_int8::quantize_queries<C>(qs.data(), q_heads, dim, scale, qi);
+#endif
   }
 
   // Blocks [first, last) of `row` into `st` (already reset).
@@ -111,6 +133,62 @@ struct Decode {
       }
     }
   }
+
+#ifdef PAGEDSERVE_INT8_DOT
+  // run() for the integer-dot set: positions in chunks of 64 (across cache blocks), each kv head's rows
+  // addressed by byte offsets from the cache's start (the caller checked they fit 32 bits); the slots of
+  // the chunk after next are prefetched into L2 while this one is read, spread over its calls.
+  void run_int8(int64_t row, int64_t first, int64_t last, const Int8Queries& qi, Partial& st,
+                Int8Scratch& s) const {
+    using attention_int8::kChunk;
+    const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads;
+    const int32_t* table_row = table + row * width;
+    const int64_t lo = first * bs, hi = std::min<int64_t>(last * bs, lens[row]);
+    const auto slot_of = [&](int64_t pos) {
+      const int64_t block = table_row[pos / bs];
+      TORCH_CHECK(block >= 0 && block < cache.num_blocks, "pagedserve::paged_attention: block_tables entry ",
+                  block, " for position ", pos, " is outside the cache's ", cache.num_blocks, " blocks");
+      return block * cache.block_stride + pos % bs * cache.slot_stride;
+    };
+    alignas(64) int32_t offsets[kChunk];
+    std::vector<const char*> lines;
+    for (int64_t p0 = lo; p0 < hi; p0 += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, hi - p0));
+      lines.clear();
+      for (int64_t pos = p0 + 2 * kChunk; pos < std::min(hi, p0 + 3 * kChunk);) {   // a block's run of slots
+        const int64_t block = table_row[pos / bs], end = std::min({hi, p0 + 3 * kChunk, (pos / bs + 1) * bs});
+        if (block >= 0 && block < cache.num_blocks) {       // a bad entry is reported on its turn
+          const int64_t from = block * cache.block_stride + pos % bs * cache.slot_stride;
+          const int64_t bytes = (end - pos) * cache.slot_stride;
+          for (int64_t at = 0; at < bytes + 63; at += 64) {
+            const int64_t line = from + std::min(at, bytes - 1);
+            lines.push_back(reinterpret_cast<const char*>(k_cache + line));
+            lines.push_back(reinterpret_cast<const char*>(v_cache + line));
+          }
+        }
+        pos = end;
+      }
+      const int passes = static_cast<int>((group + attention_int8::kMaxGroup - 1) / attention_int8::kMaxGroup);
+      const int calls = static_cast<int>(kv_heads) * passes;
+      int call = 0;
+      int64_t slots[kChunk];
+      for (int j = 0; j < n; ++j) slots[j] = slot_of(p0 + j);
+      for (int64_t kv = 0; kv < kv_heads; ++kv) {
+        for (int j = 0; j < kChunk; ++j)
+          offsets[j] = static_cast<int32_t>(slots[j < n ? j : 0] + kv * cache.head_stride);
+        for (int64_t g0 = 0; g0 < group; g0 += attention_int8::kMaxGroup) {
+          const int64_t h = kv * group + g0;
+          const int share = static_cast<int>(lines.size()) / calls, at = share * call++;
+          const attention_int8::Prefetch ahead{lines.data() + at,
+                                               call == calls ? static_cast<int>(lines.size()) - at : share};
+          attention_int8::attend_group<C>(static_cast<int>(std::min<int64_t>(attention_int8::kMaxGroup, group - g0)),
+                                          qi, h, st.acc.data() + h * dim, st.max.data() + h, st.sum.data() + h,
+                                          k_cache, v_cache, offsets, n, dim, s, ahead);
+        }
+      }
+    }
+  }
+#endif
 
   void finish(int64_t row, const Partial& st) const {
     const int64_t dim = cache.dim;
@@ -157,8 +235,10 @@ struct Decode {
     std::vector<int64_t> partial_row(2 * shares, -1);
     at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
       Scratch<S> scratch{};
+      Int8Scratch scratch8;
       Partial st;
       std::vector<Query<S>> qs;
+      Int8Queries qi;
       for (int64_t sh = begin; sh < end; ++sh) {
         const int64_t lo = total * sh / shares, hi = total * (sh + 1) / shares;
         int64_t row = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
@@ -169,8 +249,13 @@ struct Decode {
           const int64_t slot = 2 * sh + (from == lo ? 0 : 1);
           Partial& target = whole ? st : partial[slot];
           target.reset(q_heads, cache.dim);
-          stage(row, qs);
-          run(row, from - first[row], piece_end - first[row], qs.data(), target, scratch);
+          stage(row, qs, qi);
+#ifdef PAGEDSERVE_INT8_DOT
+          if constexpr (kInt8<S>)
+            run_int8(row, from - first[row], piece_end - first[row], qi, target, scratch8);
+          else
+#endif
+            run(row, from - first[row], piece_end - first[row], qs.data(), target, scratch);
           if (whole)
             finish(row, st);
           else
@@ -213,10 +298,17 @@ void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
   // multiples of 32; so are quantized rows', so every set reads whole pieces of one block)
   const auto fits = [&](int width) { return cache.dim % (2 * width) == 0 && (lanes <= 0 || width <= lanes); };
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<C, c10::BFloat16> || kQuant<C>)
+  if constexpr (std::is_same_v<C, c10::BFloat16>)
     if (q.scalar_type() == at::kBFloat16 && fits(Avx512::W)) return run(Avx512Bf16{}, q);
 #endif
   const auto qf = q.to(at::kFloat);
+#ifdef PAGEDSERVE_INT8_DOT
+  // (lanes 16 asks for the fp32 set below; byte offsets into the cache are 32-bit)
+  if constexpr (kQuant<C>)
+    if (fits(Avx512::W) && lanes != Avx512::W && cache.dim <= attention_int8::kMaxBlocks * kv_quant::kBlock &&
+        k_cache.numel() < std::numeric_limits<int32_t>::max())
+      return run(Int8Dot{}, qf);
+#endif
 #ifdef PAGEDSERVE_AVX512
   if (fits(Avx512::W)) return run(Avx512{}, qf);
 #endif
