@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from test_kv_cache_dtype import RAGGED, _batch, _decode_reference, decode_tol, empty_cache, int8_served, tol
+from test_kv_cache_dtype import RAGGED, _batch, _decode_reference, decode_tol, empty_cache, int8_served
 
 import ops
 import ops.cpu
