@@ -47,6 +47,19 @@ def int8_served(kv_dtype, lanes: int = 0, head_dim: int = 64) -> bool:
     """Whether the decode kernel serves a call with integer dot products (quantized caches, the widest set,
     head_dim up to 256)."""
     return INT8_DOTS and isinstance(kv_dtype, str) and lanes == 0 and head_dim <= 256
+
+
+def op_reference(q, k_cache, v_cache, qsl, ctx, tables, scale, int8: bool):
+    """reference_paged_attention, its decode rows from the integer kernel's queries where `int8` (the op's
+    prefill rows go through SDPA on q)."""
+    want = reference_paged_attention(q, k_cache, v_cache, qsl, ctx, tables, scale)
+    if int8:
+        decode = [int(qsl[i]) for i in range(len(ctx)) if qsl[i + 1] - qsl[i] == 1]
+        want[decode] = reference_paged_attention(kv_quant.int8_queries(q).to(q.dtype), k_cache, v_cache, qsl, ctx,
+                                                 tables, scale)[decode]
+    return want
+
+
 BLOCK = 16
 
 pytestmark = pytest.mark.usefixtures("cpp_kernels")
@@ -146,11 +159,8 @@ def test_block_sizes_other_than_the_tile(block, kv_dtype):
     q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 64, torch.float32, kv_dtype, block=block, seed=block)
     got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
     int8 = int8_served(kv_dtype)
-    want = reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
-    decode = [int(qsl[i]) for i, (_, n) in enumerate(rows) if n == 1]
-    if int8:      # decode rows: the integer dot products' queries; the prefill row: SDPA on q
-        want[decode] = reference_paged_attention(kv_quant.int8_queries(q), kc, vc, qsl, ctx, tables, 0.125)[decode]
-    torch.testing.assert_close(got, want, **decode_tol(torch.float32, kv_dtype, int8))
+    torch.testing.assert_close(got, op_reference(q, kc, vc, qsl, ctx, tables, 0.125, int8),
+                               **decode_tol(torch.float32, kv_dtype, int8))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])

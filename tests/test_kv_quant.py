@@ -11,13 +11,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from test_kv_cache_dtype import RAGGED, _batch, _decode_reference, decode_tol, empty_cache, int8_served
+from test_kv_cache_dtype import (RAGGED, _batch, _decode_reference, decode_tol, empty_cache, int8_served,
+                                 op_reference)
 
 import ops
 import ops.cpu
 from engine.kv.pool import KVCacheDtypeError, KVPool, KVShape, resolve_kv_cache_dtype
 from ops import kv_quant
-from ops.paged_attention import reference_paged_attention
 from ops.rotary import reference_rotary, rope_cos_sin, rotary_mean, torch_rotary
 from ops.write_kv import reference_write_kv, torch_write_kv
 
@@ -153,12 +153,8 @@ def test_the_op_with_decode_and_prefill_rows(backend, fmt, q_dtype, group):
     got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
     assert got.dtype == q_dtype
     int8 = backend == "cpp" and int8_served(fmt)
-    want = reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
-    decode = [int(qsl[i]) for i, (_, n) in enumerate(RAGGED) if n == 1]
-    if int8:      # the C++ kernel's decode rows score with int8 queries; prefill rows go through SDPA
-        want[decode] = reference_paged_attention(kv_quant.int8_queries(q).to(q_dtype), kc, vc, qsl, ctx, tables,
-                                                 0.125)[decode]
-    torch.testing.assert_close(got, want, **decode_tol(q_dtype, fmt, int8))
+    torch.testing.assert_close(got, op_reference(q, kc, vc, qsl, ctx, tables, 0.125, int8),
+                               **decode_tol(q_dtype, fmt, int8))
     assert not got[int(qsl[-1]):].any()
 
 

@@ -62,19 +62,6 @@ PAGEDSERVE_INLINE void load_kv(const Elem<C>* row, int64_t d, typename S::V& a, 
     S::load2(row + d, a, b);
 }
 
-// The dot-product set's loads (bf16 caches): values [d, d + 2W) of a row as bf16 in order, and those of two
-// rows (j, j + 1) paired value by value (zeros for b = null; see Avx512Bf16::interleave).
-template <class S, class C>
-PAGEDSERVE_INLINE auto load_kv_bf16(const Elem<C>* row, int64_t d) {
-  return S::load_bf16(row + d);
-}
-
-template <class S, class C>
-PAGEDSERVE_INLINE void interleave_kv(const Elem<C>* a, const Elem<C>* b, int64_t d, typename S::B& lo,
-                                     typename S::B& hi) {
-  S::interleave(a + d, b ? b + d : nullptr, lo, hi);
-}
-
 // Keys [0, n) and their values of a later block, at the same 2W values as the keys being scored.
 template <class S, class C>
 PAGEDSERVE_INLINE void prefetch_keys(const Elem<C>* ahead_k, const Elem<C>* ahead_v, int n, int64_t stride,
@@ -102,7 +89,7 @@ PAGEDSERVE_INLINE void score_keys(const Query<S>* q, const Elem<C>* k, int64_t s
   if constexpr (kDotBf16<S>) {
     for (int64_t d = 0; d < dim; d += 2 * S::W) {
       typename S::B key[J];
-      for (int j = 0; j < J; ++j) key[j] = load_kv_bf16<S, C>(keys[j], d);
+      for (int j = 0; j < J; ++j) key[j] = S::load_bf16(keys[j] + d);   // (bf16 caches only)
       prefetch_keys<S, C>(ahead_k, ahead_v, n, stride, d);
       for (int g = 0; g < G; ++g) {
         const auto qv = S::keep(S::load_bf16(q + g * dim + d));
@@ -160,9 +147,10 @@ PAGEDSERVE_INLINE void add_values_dot(const uint32_t* pairs, const float* corr, 
   }
   for (int j = 0; j < len; j += 2) {
     typename S::B lo[N], hi[N];
-    for (int n = 0; n < N; ++n)
-      interleave_kv<S, C>(v + j * stride, j + 1 < len ? v + (j + 1) * stride : nullptr, d0 + 2 * n * S::W, lo[n],
-                          hi[n]);
+    for (int n = 0; n < N; ++n) {
+      const int64_t at = j * stride + d0 + 2 * n * S::W;
+      S::interleave(v + at, j + 1 < len ? v + at + stride : nullptr, lo[n], hi[n]);
+    }
     for (int g = 0; g < G; ++g) {
       const typename S::B w = S::set1_pair(pairs[g * kTile / 2 + j / 2]);
       for (int n = 0; n < N; ++n) {

@@ -56,7 +56,7 @@ struct Partial {
   }
 };
 
-// The set of attention_int8.h: integer dot products for the scores of a quantized cache.
+// The set of attention_int8.h: integer dot products for quantized caches (scores and values).
 #ifdef PAGEDSERVE_INT8_DOT
 struct Int8Dot : Avx512 {};
 using Int8Queries = attention_int8::Queries;
