@@ -42,7 +42,8 @@ def main(argv: list[str]) -> None:
                                       max_pos=2048, **SHAPES[args.size]))
     common = dict(model=path, dtype="float32", kv_pool_tokens=8192, max_model_len=512,
                   max_concurrency=max(args.streams))
-    extra = {"ngram": dict(speculative="ngram"), "draft": dict(draft_model=path)}
+    # the self-draft as the target loads it (not int4): its proposals are the target's own draws
+    extra = {"ngram": dict(speculative="ngram"), "draft": dict(draft_model=path, draft_quantization="none")}
     engines = {"none": LLM(**common), **{m: LLM(**common, **extra[m]) for m in args.methods}}
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     for streams in args.streams:

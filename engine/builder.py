@@ -53,13 +53,17 @@ def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
     return DTYPES[cfg.dtype]
 
 
-def resolve_quantization(cfg: EngineConfig, device: torch.device) -> str:
-    """The quantization mode this run can use: the quantized-linear kernels run on CPUs only."""
-    if device.type == "cpu" or cfg.quantization == "none":
-        return cfg.quantization
-    if cfg.quantization == "auto":
+def resolve_quantization(cfg: EngineConfig, device: torch.device, key: str = "quantization") -> str:
+    """The quantization mode this run can use for `key` (the target's or the draft's weights): the
+    quantized-linear kernels run on CPUs only."""
+    mode = getattr(cfg, key)
+    if key == "draft_quantization" and mode == "auto":
+        return "int4" if device.type == "cpu" else resolve_quantization(cfg, device)
+    if device.type == "cpu" or mode == "none":
+        return mode
+    if mode == "auto":
         return "none"
-    raise ConfigError([f'quantization = "{cfg.quantization}" runs on CPUs only; on {device.type} use '
+    raise ConfigError([f'{key} = "{mode}" runs on CPUs only; on {device.type} use '
                        f'"none" or "auto" (which widens a GGUF to dtype there)'])
 
 
@@ -96,11 +100,12 @@ def _open(name: str, dtype: torch.dtype, quantization: str, progress):
 
 
 def build_draft(cfg: EngineConfig, target: DecoderModel, dtype: torch.dtype, device: torch.device,
-                quantization: str, max_len: int, progress) -> DecoderModel | None:
-    """The draft model of speculative = "draft", loaded like the target; refused (ConfigError) when it
-    cannot propose for the target."""
+                max_len: int, progress) -> DecoderModel | None:
+    """The draft model of speculative = "draft", loaded like the target but with its weights in
+    `draft_quantization`; refused (ConfigError) when it cannot propose for the target."""
     if cfg.speculative != "draft":
         return None
+    quantization = resolve_quantization(cfg, device, "draft_quantization")
     _, ckpt, model_cfg = _open(cfg.draft_model, dtype, quantization, progress)
     try:
         draft = build_decoder(model_cfg, ckpt, dtype, device,
@@ -178,7 +183,7 @@ def _build(cfg: EngineConfig, progress) -> Engine:
                           LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))
     state_shape = model.state_shape
     ckpt.close()
-    draft = build_draft(cfg, model, dtype, device, quantization, max_len, progress)
+    draft = build_draft(cfg, model, dtype, device, max_len, progress)
     num_slots = plan_num_state_slots(cfg.max_concurrency, cfg.state_spare_slots) if state_shape else 0
 
     def kv_shape(m: DecoderModel) -> KVShape:

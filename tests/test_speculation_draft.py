@@ -12,6 +12,7 @@ from test_speculation_models import _verified as _rates
 from tiny_models import hf_model
 
 from engine import LLM, SamplingParams
+from engine.builder import resolve_quantization
 from engine.config import ConfigError, EngineConfig
 from engine.kv.pool import KVShape, plan_num_blocks
 
@@ -33,8 +34,10 @@ def stranger(tiny_checkpoint):
 
 
 def _llm(path, p_min=0.0, **kw):
-    """p_min 0: a random tiny model is never as sure of a token as a real draft is."""
+    """p_min 0: a random tiny model is never as sure of a token as a real draft is. The draft keeps its
+    weights as they are (not int4, the CPU default) so that a self-draft proposes what the target draws."""
     kw.setdefault("kv_pool_tokens", 4096)
+    kw.setdefault("draft_quantization", "none")
     kw.setdefault("max_model_len", 256)
     llm = LLM(model=path, dtype="float32", **kw)
     if llm.engine.draft is not None:
@@ -194,6 +197,22 @@ def test_what_a_draft_model_needs(tiny_checkpoint, target):
     short = str(tiny_checkpoint("qwen3", **(SHAPE | dict(max_pos=128))))
     with pytest.raises(ConfigError, match="handles 128 positions, fewer than max_model_len = 256"):
         _llm(target, draft_model=short)
+
+
+def test_the_draft_loads_int4_by_default_on_cpus_and_changes_no_greedy_output(target):
+    on = _llm(target, draft_model=target, draft_quantization="auto")
+    draft, target_formats = on.engine.draft.model.linears.formats, on.engine.model.linears.formats
+    assert all(name.startswith("int4 ") for name in draft) and sum(draft.values()) == sum(target_formats.values())
+    assert list(target_formats) == ["float32"]              # the target as it was
+    assert _ids(on.generate(PROMPTS, GREEDY)) == _ids(_llm(target).generate(PROMPTS, GREEDY))
+    proposed, accepted = _rates(on)
+    assert proposed > 0 and accepted > 0                    # close to the target, not equal to it
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_quantization(EngineConfig(draft_quantization="auto"), cpu, "draft_quantization") == "int4"
+    assert resolve_quantization(EngineConfig(draft_quantization="auto"), cuda, "draft_quantization") == "none"
+    assert resolve_quantization(EngineConfig(draft_quantization="none"), cpu, "draft_quantization") == "none"
+    with pytest.raises(ConfigError, match='draft_quantization = "int4" runs on CPUs only'):
+        resolve_quantization(EngineConfig(draft_quantization="int4"), cuda, "draft_quantization")
 
 
 @pytest.fixture(scope="module")
