@@ -193,13 +193,14 @@ def test_kernel_matches_the_reference(bits, with_mins, dtype, two_level):
 @pytest.mark.parametrize("bits, with_mins, two_level", [f for f in FORMATS if f[0] != 8])
 def test_vnni_and_maddubs_tiles_give_the_same_bits(bits, with_mins, two_level):
     """The int4 / int6 tiles' two forms of the integer sums (dpbusd where the CPU has AVX-512 VNNI, an exact
-    emulation of it elsewhere; maddubs pair sums) agree bit for bit, at every row-block size."""
+    emulation of it elsewhere; maddubs pair sums) agree bit for bit, at every row-block size (int4 blocks of up
+    to 8 rows where AVX-512 gives 32 vector registers, else 4)."""
     for n, k in SHAPES:
         if two_level and k % (GROUP * SUPER):
             continue
         groups = _random_groups(n, k, bits, with_mins, seed=n * k, two_level=two_level)
         w = QuantizedWeight.from_groups(*groups[:3], bits, groups[3])
-        for m in (1, 2, 3, 4, 9):
+        for m in (1, 2, 3, 4, 6, 7, 9):
             x = _activations(m, k, torch.float32, seed=m)
             outs = [torch.ops.pagedserve_cpu.quant_linear(x, w.qweight, w.scales, w.mins, w.supers, w.bits,
                                                           w.out_features, vnni) for vnni in (True, False)]

@@ -14,7 +14,7 @@
 // 32 * (sub-scale * sum xq) per half off for the values' offset, and scales the exact int32 result by the
 // group's super and dx.
 // Threads split the weight's 8-row tiles; within a thread a chunk of x rows stays in L2 while its tiles
-// stream by, and each tile-group of weights is unpacked once for up to kRowBlock x rows.
+// stream by, and each tile-group of weights is unpacked once for up to row_block(bits) x rows.
 // Calls with kMatrixRows or more x rows on a CPU with AMX-INT8 take pairs of tiles through matrix tiles
 // instead (tile_pair, ops/cpu/quant_tiles.h): the same int32 sums and fp32 steps, so the same bits.
 #include <ATen/ATen.h>
@@ -47,6 +47,14 @@ constexpr int32_t kInt6Offset = 32;       // an int6 q stands for q - 32
 constexpr int64_t kSuper = 8;             // groups per two-level factor
 constexpr int64_t kTile = 8;              // output rows per weight tile
 constexpr int kRowBlock = 4;              // x rows sharing one unpacked tile-group (register budget)
+// int4 tiles need 2 ymm per row: with AVX-512's 32 registers 8 rows share a tile-group. A verify row of
+// 5-8 tokens then unpacks its weights once, not twice (int6 and int8 need more registers a row)
+#if defined(__AVX512VL__)
+constexpr int kInt4RowBlock = 8;
+#else
+constexpr int kInt4RowBlock = kRowBlock;
+#endif
+constexpr int row_block(int64_t bits) { return bits == 4 ? kInt4RowBlock : kRowBlock; }
 constexpr int64_t kMatrixRows = 6;        // calls with this many x rows use AMX tiles where the CPU has them
 constexpr int64_t kChunkBytes = 256 << 10;  // quantized x rows kept hot per pass over a thread's tiles
 // The weight stream is prefetched this far ahead of the group being read: with the hardware prefetcher
@@ -428,6 +436,16 @@ void run_tile(const TileArgs& a, int bits, bool vnni, float* out) {
 }
 
 void run_rows(const TileArgs& a, int bits, bool vnni, int rows, float* out) {
+#if defined(__AVX2__) && defined(__AVX512VL__)
+  if (bits == 4 && rows > kRowBlock) {
+    switch (rows) {
+      case 5: return vnni ? tile_int4<5, true>(a, out) : tile_int4<5, false>(a, out);
+      case 6: return vnni ? tile_int4<6, true>(a, out) : tile_int4<6, false>(a, out);
+      case 7: return vnni ? tile_int4<7, true>(a, out) : tile_int4<7, false>(a, out);
+      default: return vnni ? tile_int4<8, true>(a, out) : tile_int4<8, false>(a, out);
+    }
+  }
+#endif
   switch (rows) {
     case 1: return run_tile<1>(a, bits, vnni, out);
     case 2: return run_tile<2>(a, bits, vnni, out);
@@ -683,8 +701,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     const float* flat_scales = two_level ? nullptr : scales.data_ptr<float>();
     const float* flat_mins = !two_level && has_mins ? mins->data_ptr<float>() : nullptr;
     const int64_t tile_factors = groups * kTile;
-    const int64_t chunk = std::max<int64_t>(kRowBlock, kChunkBytes / k / kRowBlock * kRowBlock);
-    const bool in_kernel = int6 || (two_level && rows <= kRowBlock);   // see expand_factors
+    const int block_rows = row_block(bits);
+    const int64_t chunk = std::max<int64_t>(kInt4RowBlock, kChunkBytes / k / kInt4RowBlock * kInt4RowBlock);
+    const bool in_kernel = int6 || (two_level && rows <= block_rows);   // see expand_factors
     // tile t's weights and factors; two-level factors multiplied out into `expanded` unless `in_kernel`
     auto tile_args = [&](int64_t t, bool in_kernel, std::vector<float>& expanded) {
       TileArgs args{w + t * groups * group_bytes, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, k, groups};
@@ -716,10 +735,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       for (int r = 0; r < block; ++r)
         for (int64_t j = 0; j < valid; ++j) y[(m + r) * out_features + n0 + j] = from_float<scalar_t>(acc[r * width + j]);
     };
-    // tile t times x rows [m0, m_end) on the vector kernels, kRowBlock rows at a time
+    // tile t times x rows [m0, m_end) on the vector kernels, block_rows rows at a time
     auto vector_rows = [&](TileArgs& args, int64_t t, int64_t m0, int64_t m_end, float* acc) {
-      for (int64_t m = m0; m < m_end; m += kRowBlock) {
-        const int block = static_cast<int>(std::min<int64_t>(kRowBlock, m_end - m));
+      for (int64_t m = m0; m < m_end; m += block_rows) {
+        const int block = static_cast<int>(std::min<int64_t>(block_rows, m_end - m));
         point_at_rows(args, act, m);
         run_rows(args, static_cast<int>(bits), vnni, block, acc);
         write(acc, m, block, t * kTile, kTile);
@@ -752,7 +771,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       return;
     }
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      float acc[kRowBlock * kTile];
+      float acc[kInt4RowBlock * kTile];
       std::vector<float> expanded(two_level && !in_kernel ? tile_factors * super_count : 0);
       for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
         const int64_t m_end = std::min(rows, m0 + chunk);
