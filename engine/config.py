@@ -79,9 +79,10 @@ class EngineConfig:
     draft_model: str = _key("", "a preset name, a checkpoint dir or a .gguf file (empty = none)", lambda v: True,
                             "the model that proposes tokens for speculative = \"draft\" (setting it turns that on); it must share model's vocabulary")
     draft_quantization: str = _choice("auto", ("auto", "none", "int8", "int4"),
-                                      "the draft model's linear weights; auto = int4 on CPUs (re-quantized at load: the draft "
-                                      "only picks what is proposed, never what is output, and reads its weights once per proposal), "
-                                      "as quantization on GPUs; none/int8/int4 as quantization takes them")
+                                      "the draft model's linear weights; auto = int4 on CPUs (re-quantized at load: "
+                                      "the draft only picks what is proposed, never what is output, and reads its "
+                                      "weights once per proposal), as quantization on GPUs; none/int8/int4 as "
+                                      "quantization takes them")
     num_speculative_tokens: int = _key(5, "an integer between 1 and 32", lambda v: 1 <= v <= 32, "most tokens proposed per request and step")
     ngram_min: int = _key(2, "an integer between 1 and 16", lambda v: 1 <= v <= 16, "shortest run of latest tokens the ngram proposer looks up")
     ngram_max: int = _key(4, "an integer between 1 and 16, >= ngram_min", lambda v: 1 <= v <= 16, "longest run looked up (tried first)")
