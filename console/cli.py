@@ -20,6 +20,7 @@ from click.core import ParameterSource
 from console.key_options import (ENV_PREFIX, ConfigFile, ConfigProblem, KeyOption, default_map,
                                  key_options, section_values)
 from engine import config as cfg
+from engine import config_file
 from engine.atomic_file import write_atomic
 from engine.errors import UserError
 from engine.grammar import Grammar
@@ -65,7 +66,7 @@ def config_group() -> None:
 def config_path(state: ConfigFile) -> None:
     """Print the config file in use."""
     if state.path is None:
-        click.echo(f"{cfg.user_config_path()} (not created yet: built-in defaults in use)")
+        click.echo(f"{config_file.user_config_path()} (not created yet: built-in defaults in use)")
     else:
         click.echo(state.path)
 
@@ -111,7 +112,7 @@ def config_show(ctx: click.Context, sources: bool, **_keys: Any) -> None:
 @click.pass_context
 def config_get(ctx: click.Context, key: str) -> None:
     """Print one key's value (tables dotted: server.port, console.keys.quit)."""
-    path = cfg.key_path(key)
+    path = config_file.key_path(key)
     state: ConfigFile = ctx.obj
     config = state.require()
     if path[0] == "console":
@@ -134,8 +135,8 @@ def config_set(state: ConfigFile, key: str, value: str) -> None:
     """Set KEY to VALUE in the config file in use (the user config file is created if there is none).
 
     Comments and layout of the file are kept. The file is only written if the change adds no problem."""
-    target = state.path or cfg.user_config_path()
-    typed = cfg.set_in_file(target, key, value)
+    target = state.path or config_file.user_config_path()
+    typed = config_file.set_in_file(target, key, value)
     click.echo(f"{key} = {cfg.toml_literal(typed)} (written to {target})")
 
 
@@ -149,7 +150,7 @@ def config_validate(state: ConfigFile, file: Path | None) -> None:
         click.echo("no config file: built-in defaults in use")
         return
     try:
-        cfg.load_config(file)
+        config_file.load_config(file)
     except cfg.ConfigError as e:
         click.echo(f"{file}: {len(e.problems)} problem{'s' if len(e.problems) > 1 else ''}")
         for problem in e.problems:
@@ -162,11 +163,11 @@ def config_validate(state: ConfigFile, file: Path | None) -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing user config file.")
 def config_init(force: bool) -> None:
     """Write the commented default config to the user config file."""
-    target = cfg.user_config_path()
+    target = config_file.user_config_path()
     if target.exists() and not force:
         raise click.ClickException(f"{target} already exists; pass --force to overwrite it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(target, cfg.default_config_text())
+    write_atomic(target, config_file.default_config_text())
     click.echo(f"wrote {target}")
 
 

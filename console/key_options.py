@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from engine import config as cfg
+from engine import config_file
 
 ENV_PREFIX = "PAGEDSERVE_"
 _CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, bool: click.BOOL}
@@ -77,11 +78,11 @@ class ConfigFile:
 
     @classmethod
     def discover(cls, explicit: Path | None) -> ConfigFile:
-        path = cfg.find_config_file(explicit)
+        path = config_file.find_config_file(explicit)
         if path is None:
             return cls(None, cfg.Config(), {})
         try:
-            data = cfg.read_toml(path)
+            data = config_file.read_toml(path)
             config = cfg.config_from_dict(data, str(path))
         except cfg.ConfigError as e:
             return cls(path, cfg.Config(), {}, e)

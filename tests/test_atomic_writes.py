@@ -15,7 +15,7 @@ import pytest
 import engine.atomic_file as atomic_file
 from console.sessions import Session, SessionStore
 from engine.atomic_file import write_atomic
-from engine.config import set_in_file
+from engine.config_file import set_in_file
 from engine.loading import gguf as gguf_module
 from engine.loading.gguf import gguf_to_hf_dir
 from engine.loading.presets import PRESETS, pull

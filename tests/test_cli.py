@@ -15,6 +15,7 @@ from click.testing import CliRunner
 import engine
 from console.cli import main
 from engine import config as cfg
+from engine import config_file
 from engine.loading import presets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +168,7 @@ def test_bad_sampling_value_exits_2(home, fake_llm):
 
 
 def test_config_path_follows_flag_then_cwd_then_user_file(home, tmp_path):
-    user = cfg.user_config_path()
+    user = config_file.user_config_path()
     assert run("config", "path").output.startswith(f"{user} (not created yet")
     user.parent.mkdir(parents=True)
     user.write_text("")
@@ -180,7 +181,7 @@ def test_config_path_follows_flag_then_cwd_then_user_file(home, tmp_path):
 
 
 def test_user_file_values_apply_when_there_is_no_local_file(home, fake_llm):
-    user = cfg.user_config_path()
+    user = config_file.user_config_path()
     user.parent.mkdir(parents=True)
     user.write_text("threads = 3\n")
     assert run("generate", "--prompt", "x").exit_code == 0
@@ -195,7 +196,7 @@ def test_config_show_lists_every_key_with_its_source(home):
     assert shown["block_size"] == ("16", "default")
     assert shown["server.port"] == ("8000", "default")
     assert shown["console.keys.quit"] == ('"ctrl+q"', "file config.toml")
-    assert set(shown) == set(cfg.dotted_keys()) - {"console.keys"} | {"console.keys.quit"}
+    assert set(shown) == set(config_file.dotted_keys()) - {"console.keys"} | {"console.keys.quit"}
     plain = run("config", "show").output
     assert "#" not in plain and "max_concurrency = 8\n" in plain
 
@@ -243,7 +244,7 @@ def test_config_set_keeps_comments_and_rejects_invalid_values(home):
     text = path.read_text()
     for kept in ("# my settings", "max_concurrency = 4  # four users", "# the port"):
         assert kept in text
-    loaded = cfg.load_config(path)
+    loaded = config_file.load_config(path)
     assert (loaded.server.port, loaded.engine.block_size, loaded.engine.max_concurrency) == (9001, 32, 4)
     assert loaded.console.keys == {"quit": "ctrl+q"}
     before = path.read_text()
@@ -258,13 +259,13 @@ def test_config_set_keeps_comments_and_rejects_invalid_values(home):
 
 def test_config_set_creates_the_user_config_from_the_commented_default(home):
     assert run("config", "set", "threads", "2").exit_code == 0
-    user = cfg.user_config_path()
-    assert cfg.load_config(user) == cfg.Config(engine=cfg.EngineConfig(threads=2))
+    user = config_file.user_config_path()
+    assert config_file.load_config(user) == cfg.Config(engine=cfg.EngineConfig(threads=2))
     assert "# CPU threads for torch" in user.read_text()
 
 
 def test_config_init_writes_the_default_and_refuses_to_overwrite(home):
-    user = cfg.user_config_path()
+    user = config_file.user_config_path()
     result = run("config", "init")
     assert result.exit_code == 0 and user.read_text() == (ROOT / "config.toml").read_text()
     user.write_text("threads = 1\n")
@@ -272,7 +273,7 @@ def test_config_init_writes_the_default_and_refuses_to_overwrite(home):
     assert result.exit_code != 0 and "--force" in result.output
     assert user.read_text() == "threads = 1\n"
     assert run("config", "init", "--force").exit_code == 0
-    assert cfg.load_config(user) == cfg.Config()
+    assert config_file.load_config(user) == cfg.Config()
 
 
 def test_models_lists_presets(home, monkeypatch):

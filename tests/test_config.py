@@ -1,4 +1,4 @@
-"""engine.config: defaults, TOML loading, validation that lists every problem, did-you-mean."""
+"""engine.config and engine.config_file: defaults, TOML files, validation listing every problem, did-you-mean."""
 from __future__ import annotations
 
 import subprocess
@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from engine.config import (
-    Config, ConfigError, ConsoleConfig, EngineConfig, ServerConfig, config_from_dict, default_config_text,
-    find_config_file, key_path, load_config, make_engine_config, parse_value, set_in_file, user_config_path,
+    Config, ConfigError, ConsoleConfig, EngineConfig, ServerConfig, config_from_dict, make_engine_config,
+)
+from engine.config_file import (
+    default_config_text, find_config_file, key_path, load_config, parse_value, set_in_file, user_config_path,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,7 +174,7 @@ def test_dotted_keys_and_parse_value():
 
 
 def test_importing_the_config_does_not_import_torch():
-    code = "import sys, engine.config; print('torch' in sys.modules)"
+    code = "import sys, engine.config, engine.config_file; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
