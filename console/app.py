@@ -155,7 +155,8 @@ class ConsoleApp(App):
         self.loading.downloading(message.done, message.total)
 
     def on_snapshot_arrived(self, message: SnapshotArrived) -> None:
-        if self.screen is self.monitor:
+        # a poll can land while the app shuts down and prunes its screens (then no widget is left to draw)
+        if self.is_running and self.screen is self.monitor:
             self.monitor.show(message.snapshot)
 
     def on_notice(self, message: Notice) -> None:
@@ -232,6 +233,8 @@ class ConsoleApp(App):
 
     async def _drain(self) -> None:
         self._drain_pending = False
+        if not self.is_running:   # shutting down: the screens are going (quitting saved the sessions)
+            return
         visible = self.visible_id()
         for sid, buffer in list(self.replies.items()):
             text, final = buffer.take()
@@ -257,7 +260,7 @@ class ConsoleApp(App):
             await self.panes[sid].show_last(self.sessions[sid].turns[-1])
 
     def _poll(self) -> None:
-        if self.ready and self.screen is self.monitor and not self._polling.is_set():
+        if self.ready and self.is_running and self.screen is self.monitor and not self._polling.is_set():
             self._polling.set()
             self._in_thread(self._snapshot)
 

@@ -378,3 +378,24 @@ async def test_a_snapshot_that_arrives_before_the_monitor_is_mounted_is_drawn_on
         await pilot.pause()
         assert app.screen is app.monitor
         assert "running 7 · waiting 2" in str(app.monitor.query_one("#counts", Label).render())
+
+
+@pytest.mark.parametrize("attempt", range(4))
+async def test_a_snapshot_that_lands_while_the_app_shuts_down_is_dropped(tmp_path, attempt):
+    """The monitor's poll runs in a thread: its snapshot can arrive while the app closes and prunes
+    its screens. That snapshot is dropped; drawing it raised NoMatches (or ScreenStackError) and
+    turned a clean exit into a crash. The race is hit about half the time per attempt."""
+    import time
+    from console.client import EngineSnapshot
+    client = FakeClient()
+    app = make_app(tmp_path, client)
+
+    def snapshot_after_shutdown_began() -> EngineSnapshot:
+        while app.is_running:
+            time.sleep(0.001)
+        return EngineSnapshot(running=1)
+    client.snapshot = snapshot_after_shutdown_began
+    async with app.run_test(size=(120, 30)) as pilot:
+        await until(pilot, lambda: app.ready)
+        await pilot.press("f2")
+        await pilot.pause(0.1)
