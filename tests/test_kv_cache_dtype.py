@@ -102,19 +102,23 @@ def _batch(rows, group, head_dim, q_dtype, kv_dtype, *, kv_heads=2, block=BLOCK,
     return q, k_cache, v_cache, qsl, torch.tensor([c for c, _ in rows], dtype=torch.int32), tables
 
 
-def _decode_reference(q, k_cache, v_cache, qsl, ctx, tables, scale):
-    """Float64 attention of each decode row's token over its cached positions (vectorised, for long rows)."""
+def _decode_reference(q, k_cache, v_cache, qsl, ctx, tables, scale, max_tokens=1):
+    """Float64 attention of each token of the rows of at most `max_tokens` new tokens over the positions it
+    sees (causal: the cached ones and its row's earlier tokens); vectorised, for long rows."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     group, block = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
     k_cache, v_cache = stored(k_cache, v_cache, q.shape[2])
     for i, n_ctx in enumerate(ctx.tolist()):
-        if qsl[i + 1] - qsl[i] != 1:
+        n = int(qsl[i + 1] - qsl[i])
+        if not 1 <= n <= max_tokens:
             continue
         blocks = tables[i, : -(-n_ctx // block)].long()
         keys = k_cache[blocks].flatten(0, 1)[:n_ctx].repeat_interleave(group, dim=1)    # [ctx, Hq, D]
         values = v_cache[blocks].flatten(0, 1)[:n_ctx].repeat_interleave(group, dim=1)
-        weights = torch.softmax(torch.einsum("hd,chd->hc", q[qsl[i]].double(), keys) * scale, dim=-1)
-        out[qsl[i]] = torch.einsum("hc,chd->hd", weights, values)
+        for j in range(n):
+            seen, t = n_ctx - n + j + 1, int(qsl[i]) + j
+            weights = torch.softmax(torch.einsum("hd,chd->hc", q[t].double(), keys[:seen]) * scale, dim=-1)
+            out[t] = torch.einsum("hc,chd->hd", weights, values[:seen])
     return out
 
 
@@ -139,14 +143,18 @@ def test_paged_attention_reads_the_cache_as_stored(q_dtype, kv_dtype, group, hea
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shares", [1, 3, 7, 64])
 def test_long_rows_cut_into_shares_match_one_pass(q_dtype, kv_dtype, shares):
-    """One long row alone, then long and short rows together, cut into `shares` pieces (more than there are
-    threads, and cuts inside rows and at odd block counts): the merged softmax equals the uncut one."""
-    for rows in ([(1000, 1)], [(700, 1), (5, 1), (30, 4), (333, 1), (16, 1)]):
+    """One long row alone, then long and short rows together, then verify rows (a few new tokens after a
+    long context, attended token by token), cut into `shares` pieces (more than there are threads, and cuts
+    inside rows and at odd block counts): the merged softmax equals the uncut one. The 4-token row is left
+    to the caller in the first two."""
+    for rows, max_tokens in (([(1000, 1)], 1), ([(700, 1), (5, 1), (30, 4), (333, 1), (16, 1)], 1),
+                             ([(900, 6), (5, 1), (300, 3)], 6)):
         q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 128, q_dtype, kv_dtype, seed=shares)
-        got, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.0883, shares)
+        got, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.0883, shares, 0, max_tokens)
         int8 = int8_served(kv_dtype)
-        want = _decode_reference(kv_quant.int8_queries(q) if int8 else q, kc, vc, qsl, ctx, tables, 0.0883)
-        decode = [int(qsl[i]) for i, (_, n) in enumerate(rows) if n == 1]
+        want = _decode_reference(kv_quant.int8_queries(q) if int8 else q, kc, vc, qsl, ctx, tables, 0.0883,
+                                 max_tokens)
+        decode = [int(qsl[i]) + j for i, (_, n) in enumerate(rows) if n <= max_tokens for j in range(n)]
         torch.testing.assert_close(got[decode].double(), want[decode], **decode_tol(q_dtype, kv_dtype, int8))
         assert not got[[t for t in range(q.shape[0]) if t not in decode]].any()   # the kernel's rows only
 

@@ -130,13 +130,15 @@ def test_the_cpp_and_torch_write_kv_store_the_same_bytes(fmt, src_dtype):
 @pytest.mark.parametrize("group, head_dim", [(1, 128), (2, 64), (7, 64), (6, 128), (12, 64), (2, 256), (1, 288)])
 # the widest set (integer dot products where the CPU has AVX-512 VNNI), fp32 AVX-512, AVX2, scalar
 @pytest.mark.parametrize("lanes", [0, 16, 8, 1])
-def test_decode_rows_on_every_instruction_set(fmt, q_dtype, group, head_dim, lanes):
+@pytest.mark.parametrize("max_tokens", [1, 7])      # 7: also the row of 7 new tokens, token by token
+def test_decode_rows_on_every_instruction_set(fmt, q_dtype, group, head_dim, lanes, max_tokens):
     q, kc, vc, qsl, ctx, tables = _batch(RAGGED, group, head_dim, q_dtype, fmt, seed=group + head_dim)
     scale = head_dim ** -0.5
-    got, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, scale, 0, lanes)
-    decode = [int(qsl[i]) for i, (_, n) in enumerate(RAGGED) if n == 1]
+    got, prefill = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, scale, 0, lanes, max_tokens)
+    assert prefill == sum(n > max_tokens for _, n in RAGGED)
+    decode = [int(qsl[i]) + j for i, (_, n) in enumerate(RAGGED) if n <= max_tokens for j in range(n)]
     int8 = int8_served(fmt, lanes, head_dim)
-    want = _decode_reference(kv_quant.int8_queries(q) if int8 else q, kc, vc, qsl, ctx, tables, scale)
+    want = _decode_reference(kv_quant.int8_queries(q) if int8 else q, kc, vc, qsl, ctx, tables, scale, max_tokens)
     torch.testing.assert_close(got[decode].double(), want[decode], **decode_tol(q_dtype, fmt, int8))
 
 

@@ -8,6 +8,10 @@
 // over chunks of 64 positions (run_int8), where widening every value to fp32 kept the FMA ports, not
 // memory, the limit.
 //
+// A short row (a speculative verify row: a few new tokens after a long context) is attended as one decode
+// row per token, each over the context its token sees (causal): its K/V are read once per token, mostly from
+// cache, where torch's SDPA with a bottom-right causal mask cost ~30x a decode row per layer.
+//
 // Flash-decoding: the context blocks of all decode rows, laid end to end, are cut into one equal share per
 // thread, so a single long row keeps every core busy and ragged rows balance. A share keeps a running max,
 // sum and unnormalised output per query head; the shares of a row that was cut are merged at the end.
@@ -27,6 +31,7 @@
 #include <vector>
 
 #include "attention_int8.h"
+#include "attention_rows.h"
 #include "attention_tile.h"
 
 namespace {
@@ -76,8 +81,9 @@ struct Decode {
   const Elem<C>* k_cache;
   const Elem<C>* v_cache;
   Cache cache;
-  const int32_t* starts;
-  const int32_t* lens;
+  const int32_t* tokens;      // per decode row: its token's index in q and out
+  const int32_t* lens;        // per decode row: the positions its token attends (its own included)
+  const int32_t* table_rows;  // per decode row: its row of the block table
   const int32_t* table;
   int64_t width, q_heads, kv_heads;
   float scale;
@@ -85,7 +91,7 @@ struct Decode {
   // The row's queries in the keys' lane order (bf16 dot products pair keys and queries as stored).
   void stage(int64_t row, std::vector<Query<S>>& qs, Int8Queries& qi) const {
     const int64_t dim = cache.dim, n = q_heads * dim;
-    const auto* src = static_cast<const Query<S>*>(q) + static_cast<int64_t>(starts[row]) * n;
+    const auto* src = static_cast<const Query<S>*>(q) + static_cast<int64_t>(tokens[row]) * n;
     qs.resize(n);
     for (int64_t h = 0; h < q_heads; ++h)
       for (int64_t d = 0; d < dim; ++d) qs[h * dim + (kDotBf16<S> ? d : lane<S, C>(d))] = src[h * dim + d];
@@ -105,7 +111,7 @@ struct Decode {
   // Blocks [first, last) of `row` into `st` (already reset).
   void run(int64_t row, int64_t first, int64_t last, const Query<S>* qs, Partial& st, Scratch<S>& scratch) const {
     const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads, ctx = lens[row];
-    const int32_t* blocks = table + row * width;
+    const int32_t* blocks = table + static_cast<int64_t>(table_rows[row]) * width;
     const int64_t block_bytes = 2 * kv_heads * bs * kv_quant::byte_of<C>(dim);
     const int64_t ahead_blocks = std::clamp<int64_t>(kAheadBytes / block_bytes, 2, 8);
     for (int64_t b = first; b < last; ++b) {
@@ -142,7 +148,7 @@ struct Decode {
                 Int8Scratch& s) const {
     using attention_int8::kChunk;
     const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads;
-    const int32_t* table_row = table + row * width;
+    const int32_t* table_row = table + static_cast<int64_t>(table_rows[row]) * width;
     const int64_t lo = first * bs, hi = std::min<int64_t>(last * bs, lens[row]);
     const auto slot_of = [&](int64_t pos) {
       const int64_t block = table_row[pos / bs];
@@ -192,7 +198,7 @@ struct Decode {
 
   void finish(int64_t row, const Partial& st) const {
     const int64_t dim = cache.dim;
-    float* o = out + static_cast<int64_t>(starts[row]) * q_heads * dim;
+    float* o = out + static_cast<int64_t>(tokens[row]) * q_heads * dim;
     for (int64_t h = 0; h < q_heads; ++h) {
       const float inv = 1.f / st.sum[h];
       for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = st.acc[h * dim + lane<S, C>(d)] * inv;
@@ -202,7 +208,7 @@ struct Decode {
   // A row's output from the shares its blocks were cut into (parts of one softmax, rescaled to a common max).
   void merge(int64_t row, const std::vector<const Partial*>& parts) const {
     const int64_t dim = cache.dim;
-    float* o = out + static_cast<int64_t>(starts[row]) * q_heads * dim;
+    float* o = out + static_cast<int64_t>(tokens[row]) * q_heads * dim;
     for (int64_t h = 0; h < q_heads; ++h) {
       float m = kNegInf, total = 0.f;
       for (const Partial* p : parts) m = std::max(m, p->max[h]);
@@ -219,10 +225,7 @@ struct Decode {
   // Cuts the decode rows' blocks into `shares` equal ranges (0: one per thread, fewer for short work).
   void operator()(int64_t rows, int64_t shares) const {
     std::vector<int64_t> first(rows + 1, 0);         // global index of each row's first block
-    for (int64_t r = 0; r < rows; ++r) {
-      const bool decode = starts[r + 1] - starts[r] == 1;
-      first[r + 1] = first[r] + (decode ? (lens[r] + cache.block_size - 1) / cache.block_size : 0);
-    }
+    for (int64_t r = 0; r < rows; ++r) first[r + 1] = first[r] + (lens[r] + cache.block_size - 1) / cache.block_size;
     const int64_t total = first[rows];
     if (total == 0) return;
     if (shares <= 0) {
@@ -244,7 +247,7 @@ struct Decode {
         int64_t row = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
         for (int64_t from = lo; from < hi; ++row) {
           const int64_t piece_end = std::min(hi, first[row + 1]);
-          if (piece_end == from) continue;           // prefill rows own no blocks here
+          if (piece_end == from) continue;           // an empty row
           const bool whole = from == first[row] && piece_end == first[row + 1];
           const int64_t slot = 2 * sh + (from == lo ? 0 : 1);
           Partial& target = whole ? st : partial[slot];
@@ -281,18 +284,17 @@ struct Decode {
 
 template <class C>
 void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const int32_t* starts, const int32_t* lens, const at::Tensor& tables, double scale, int64_t shares,
-            int64_t lanes) {
+            const DecodeRows& rows, const at::Tensor& tables, double scale, int64_t shares, int64_t lanes) {
   const Cache cache{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.size(0), k_cache.size(1),
                     q.size(2)};
   auto run = [&](auto isa, const at::Tensor& queries) {
     using S = decltype(isa);
     const Decode<S, C> job{queries.data_ptr(), out.data_ptr<float>(),
                            static_cast<const Elem<C>*>(k_cache.data_ptr()),
-                           static_cast<const Elem<C>*>(v_cache.data_ptr()), cache, starts, lens,
-                           tables.data_ptr<int32_t>(), tables.size(1), q.size(1), k_cache.size(2),
-                           static_cast<float>(scale)};
-    job(tables.size(0), shares);
+                           static_cast<const Elem<C>*>(v_cache.data_ptr()), cache, rows.tokens.data(),
+                           rows.lens.data(), rows.table_rows.data(), tables.data_ptr<int32_t>(), tables.size(1),
+                           q.size(1), k_cache.size(2), static_cast<float>(scale)};
+    job(static_cast<int64_t>(rows.tokens.size()), shares);
   };
   // the widest vectors (of at most `lanes`, if > 0) whose pairs divide head_dim (model head_dims are
   // multiples of 32; so are quantized rows', so every set reads whole pieces of one block)
@@ -318,23 +320,8 @@ void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
   run(Scalar{}, qf);
 }
 
-// The rows with more than one new token (prefill chunks, which the caller attends), or -1 where the rows'
-// lengths do not fit (0 <= new tokens <= context_lens <= the table's positions, query_start_loc from 0 and
-// within q); the caller then says which row is wrong. Checked here, once per call, so the caller need not
-// walk the rows in Python in every layer.
-int64_t prefill_rows(const int32_t* starts, const int32_t* lens, int64_t rows, int64_t positions, int64_t tokens) {
-  if (starts[0] != 0 || starts[rows] > tokens) return -1;
-  int64_t prefill = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t n = starts[r + 1] - starts[r];
-    if (n < 0 || n > lens[r] || lens[r] > positions) return -1;
-    prefill += n > 1;
-  }
-  return prefill;
-}
-
-// Output like q, zero except the rows with exactly one new token (decode rows), which get their attention,
-// and prefill_rows' count (with -1 the output is all zeros).
+// Output like q, zero except the rows with 1 to `max_tokens` new tokens (decode rows, verify rows), which
+// get their attention, and prefill_rows' count (with -1 the output is all zeros).
 // q: [T, Hq, D] fp32 or bf16, contiguous; caches [NB, BS, Hk, D] fp32, bf16 or fp16 with unit stride in D,
 // D even, or uint8 [NB, BS, Hk, row bytes] of q8_0 / q4_0 rows (D a multiple of 32; the row bytes say
 // which; K stored rotated). `shares` > 0 cuts the work into that many pieces
@@ -342,7 +329,8 @@ int64_t prefill_rows(const int32_t* starts, const int32_t* lens, int64_t rows, i
 std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                                        const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                                        const at::Tensor& context_lens, const at::Tensor& block_tables,
-                                                       double scale, int64_t shares, int64_t lanes) {
+                                                       double scale, int64_t shares, int64_t lanes,
+                                                       int64_t max_tokens) {
   const int64_t dim = q.size(2);
   const bool quantized = k_cache.scalar_type() == at::kByte;
   const int64_t q8_bytes = dim / kv_quant::kBlock * kv_quant::Q8_0::kBlockBytes;
@@ -363,19 +351,21 @@ std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, cons
   const auto tables = block_tables.contiguous();
   const int32_t* starts = qsl.data_ptr<int32_t>();
   const int32_t* lens = ctx.data_ptr<int32_t>();
-  const int64_t prefill = prefill_rows(starts, lens, ctx.size(0), tables.size(1) * k_cache.size(1), q.size(0));
+  const int64_t prefill = prefill_rows(starts, lens, ctx.size(0), tables.size(1) * k_cache.size(1), q.size(0),
+                                       max_tokens);
   if (prefill < 0) return {out.to(q.scalar_type()), prefill};
+  const DecodeRows rows(starts, lens, ctx.size(0), max_tokens);
   switch (k_cache.scalar_type()) {
-    case at::kFloat: decode<float>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares, lanes); break;
+    case at::kFloat: decode<float>(q, out, k_cache, v_cache, rows, tables, scale, shares, lanes); break;
     case at::kBFloat16:
-      decode<c10::BFloat16>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares, lanes);
+      decode<c10::BFloat16>(q, out, k_cache, v_cache, rows, tables, scale, shares, lanes);
       break;
-    case at::kHalf: decode<c10::Half>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares, lanes); break;
+    case at::kHalf: decode<c10::Half>(q, out, k_cache, v_cache, rows, tables, scale, shares, lanes); break;
     case at::kByte:
       if (k_cache.size(3) == q8_bytes)
-        decode<kv_quant::Q8_0>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares, lanes);
+        decode<kv_quant::Q8_0>(q, out, k_cache, v_cache, rows, tables, scale, shares, lanes);
       else
-        decode<kv_quant::Q4_0>(q, out, k_cache, v_cache, starts, lens, tables, scale, shares, lanes);
+        decode<kv_quant::Q4_0>(q, out, k_cache, v_cache, rows, tables, scale, shares, lanes);
       break;
     default:
       TORCH_CHECK(false, "pagedserve_cpu::paged_attention_decode: K/V cache dtype ", k_cache.scalar_type(),
@@ -388,6 +378,7 @@ std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, cons
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
-        "Tensor context_lens, Tensor block_tables, float scale, int shares=0, int lanes=0) -> (Tensor, int)",
+        "Tensor context_lens, Tensor block_tables, float scale, int shares=0, int lanes=0, int max_tokens=1) "
+        "-> (Tensor, int)",
         &paged_attention_decode);
 }
