@@ -4,7 +4,7 @@ reference on the K/V as stored. The C++ decode kernel is checked on every code p
 128 and 64 take the widest vectors (AVX-512 here), 48 the AVX2 code on an AVX-512 CPU, 40 the scalar code
 (quantized rows, whose head_dims are multiples of 32, cap the vector width through the kernel's `lanes`);
 bf16 queries on a bf16 cache take the bf16 dot products where AVX-512 BF16 exists. Long rows are cut into
-more shares than there are threads."""
+pieces (more than there are threads), and a row comes out the same bit for bit whatever the batch."""
 from __future__ import annotations
 
 import pytest
@@ -141,22 +141,42 @@ def test_paged_attention_reads_the_cache_as_stored(q_dtype, kv_dtype, group, hea
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES + QUANT)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shares", [1, 3, 7, 64])
-def test_long_rows_cut_into_shares_match_one_pass(q_dtype, kv_dtype, shares):
+@pytest.mark.parametrize("pieces", [1, 3, 7, 64])
+def test_long_rows_cut_into_pieces_match_one_pass(q_dtype, kv_dtype, pieces):
     """One long row alone, then long and short rows together, then verify rows (a few new tokens after a
-    long context, attended token by token), cut into `shares` pieces (more than there are threads, and cuts
-    inside rows and at odd block counts): the merged softmax equals the uncut one. The 4-token row is left
+    long context, attended token by token), cut into `pieces` pieces (more than there are threads, at
+    odd block counts): the merged softmax equals the uncut one. The 4-token row is left
     to the caller in the first two."""
     for rows, max_tokens in (([(1000, 1)], 1), ([(700, 1), (5, 1), (30, 4), (333, 1), (16, 1)], 1),
                              ([(900, 6), (5, 1), (300, 3)], 6)):
-        q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 128, q_dtype, kv_dtype, seed=shares)
-        got, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.0883, shares, 0, max_tokens)
+        q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 128, q_dtype, kv_dtype, seed=pieces)
+        got, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.0883, pieces, 0,
+                                                     max_tokens)
         int8 = int8_served(kv_dtype)
         want = _decode_reference(kv_quant.int8_queries(q) if int8 else q, kc, vc, qsl, ctx, tables, 0.0883,
                                  max_tokens)
         decode = [int(qsl[i]) + j for i, (_, n) in enumerate(rows) if n <= max_tokens for j in range(n)]
         torch.testing.assert_close(got[decode].double(), want[decode], **decode_tol(q_dtype, kv_dtype, int8))
         assert not got[[t for t in range(q.shape[0]) if t not in decode]].any()   # the kernel's rows only
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES + QUANT)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pieces", [0, 3])
+def test_a_row_is_attended_the_same_bit_for_bit_whatever_the_batch(q_dtype, kv_dtype, pieces):
+    """Greedy output with speculation equals plain decoding only if a verify row's token gets exactly the
+    attention a decode step would give it: each token of a 5-token row over a 700-token context, attended
+    alone as a decode row, equals the same token in the verify row beside other rows (where rows are cut
+    into pieces must not depend on the batch)."""
+    rows = [(300, 1), (700, 5), (1000, 1)]
+    q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 128, q_dtype, kv_dtype, seed=11)
+    batched, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.0883, pieces, 0, 5)
+    for j in range(5):
+        token = int(qsl[1]) + j
+        alone, _ = ops.cpu._lib.paged_attention_decode(
+            q[token:token + 1].contiguous(), kc, vc, torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([700 - 4 + j], dtype=torch.int32), tables[1:2].contiguous(), 0.0883, pieces)
+        assert torch.equal(alone[0], batched[token])
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, "q4_0"])

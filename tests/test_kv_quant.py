@@ -3,7 +3,7 @@ block layouts; write_kv storing the same bytes from the torch body, the C++ kern
 test_triton_kernels.py) Triton; paged_attention against a float64 reference on the dequantized K/V with K
 rotated back (so the rotation of q is checked too), on every instruction set of the C++ decode kernel
 (`lanes` caps the vector width), GQA groups of 1, 2 and 7 heads, page boundaries, ragged rows, prefill rows
-after a cached prefix and long rows cut into shares; keys stored less a constant offset (a k_proj bias's,
+after a cached prefix and long rows cut into pieces; keys stored less a constant offset (a k_proj bias's,
 engine/models/qwen3.py); the typed errors; the pool's sizes."""
 from __future__ import annotations
 

@@ -12,10 +12,11 @@
 // row per token, each over the context its token sees (causal): its K/V are read once per token, mostly from
 // cache, where torch's SDPA with a bottom-right causal mask cost ~30x a decode row per layer.
 //
-// Flash-decoding: the context blocks of all decode rows, laid end to end, are cut into one equal share per
-// thread, so a single long row keeps every core busy and ragged rows balance. A share keeps a running max,
-// sum and unnormalised output per query head; the shares of a row that was cut are merged at the end.
-// Within a share the kernel walks the row's blocks; for each kv head it scores and accumulates the G query
+// Flash-decoding: each long decode row is cut into up to one piece per thread (by its own length only: the
+// batch beside a row never changes its rounding) and the threads take equal runs of pieces, so a single long row
+// keeps every core busy and ragged rows balance. A piece keeps a running max, sum and unnormalised output
+// per query head; the pieces of a row that was cut are merged at the end.
+// Within a piece the kernel walks the row's blocks; for each kv head it scores and accumulates the G query
 // heads of the GQA group together (attention_tile.h: register tiles of G heads x a few keys), so K/V come
 // from memory once, while a later block is prefetched (block tables scatter blocks, which the hardware
 // prefetcher cannot follow). Queries and outputs are kept in the lane order of simd.h's `lane`.
@@ -42,7 +43,7 @@ namespace kv_quant = pagedserve_cpu::kv_quant;
 namespace attention_int8 = pagedserve_cpu::attention_int8;
 #endif
 
-constexpr int64_t kMinShare = 256;  // positions below which a share is not worth a thread of its own
+constexpr int64_t kMinPiece = 256;  // positions below which a piece of a row is not worth a thread of its own
 // How far ahead of the block being read its row's K/V is prefetched, in bytes (2 to 8 blocks): a distance in
 // blocks undershot small blocks (few kv heads, short heads), whose loads then waited on memory.
 constexpr int64_t kAheadBytes = 32 << 10;
@@ -118,7 +119,7 @@ struct Decode {
       const int64_t block = blocks[b];
       TORCH_CHECK(block >= 0 && block < cache.num_blocks, "pagedserve::paged_attention: block_tables entry ",
                   block, " for position ", b * bs, " is outside the cache's ", cache.num_blocks, " blocks");
-      const int64_t next = b + ahead_blocks < last ? blocks[b + ahead_blocks] : -1;
+      const int64_t next = (b + ahead_blocks) * bs < ctx ? blocks[b + ahead_blocks] : -1;   // past the piece too
       const bool ahead = next >= 0 && next < cache.num_blocks;     // a bad entry is reported on its turn
       const int len = static_cast<int>(std::min(bs, ctx - b * bs));
       for (int64_t kv = 0; kv < kv_heads; ++kv) {
@@ -149,7 +150,7 @@ struct Decode {
     using attention_int8::kChunk;
     const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads;
     const int32_t* table_row = table + static_cast<int64_t>(table_rows[row]) * width;
-    const int64_t lo = first * bs, hi = std::min<int64_t>(last * bs, lens[row]);
+    const int64_t lo = first * bs, hi = std::min<int64_t>(last * bs, lens[row]), row_end = lens[row];
     const auto slot_of = [&](int64_t pos) {
       const int64_t block = table_row[pos / bs];
       TORCH_CHECK(block >= 0 && block < cache.num_blocks, "pagedserve::paged_attention: block_tables entry ",
@@ -161,8 +162,9 @@ struct Decode {
     for (int64_t p0 = lo; p0 < hi; p0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, hi - p0));
       lines.clear();
-      for (int64_t pos = p0 + 2 * kChunk; pos < std::min(hi, p0 + 3 * kChunk);) {   // a block's run of slots
-        const int64_t block = table_row[pos / bs], end = std::min({hi, p0 + 3 * kChunk, (pos / bs + 1) * bs});
+      // a block's run of slots at a time, past the piece's end too
+      for (int64_t pos = p0 + 2 * kChunk; pos < std::min(row_end, p0 + 3 * kChunk);) {
+        const int64_t block = table_row[pos / bs], end = std::min({row_end, p0 + 3 * kChunk, (pos / bs + 1) * bs});
         if (block >= 0 && block < cache.num_blocks) {       // a bad entry is reported on its turn
           const int64_t from = block * cache.block_stride + pos % bs * cache.slot_stride;
           const int64_t bytes = (end - pos) * cache.slot_stride;
@@ -205,7 +207,7 @@ struct Decode {
     }
   }
 
-  // A row's output from the shares its blocks were cut into (parts of one softmax, rescaled to a common max).
+  // A row's output from the pieces it was cut into (parts of one softmax, rescaled to a common max).
   void merge(int64_t row, const std::vector<const Partial*>& parts) const {
     const int64_t dim = cache.dim;
     float* o = out + static_cast<int64_t>(tokens[row]) * q_heads * dim;
@@ -222,69 +224,66 @@ struct Decode {
     }
   }
 
-  // Cuts the decode rows' blocks into `shares` equal ranges (0: one per thread, fewer for short work).
-  void operator()(int64_t rows, int64_t shares) const {
-    std::vector<int64_t> first(rows + 1, 0);         // global index of each row's first block
-    for (int64_t r = 0; r < rows; ++r) first[r + 1] = first[r] + (lens[r] + cache.block_size - 1) / cache.block_size;
+  // Cuts each decode row into equal pieces, one per thread at most and none shorter than kMinPiece
+  // positions (`pieces` > 0: that many, at most one per block), and hands the pieces to the threads in equal
+  // runs. Where a row is cut depends on its own length only, so its output does not depend on the batch
+  // beside it: a verify row's tokens match decode steps bit for bit.
+  void operator()(int64_t rows, int64_t pieces) const {
+    const int64_t bs = cache.block_size, threads = at::get_num_threads();
+    const int64_t min_blocks = std::max<int64_t>(1, kMinPiece / bs);
+    const auto blocks_of = [&](int64_t r) { return (lens[r] + bs - 1) / bs; };
+    const auto pieces_of = [&](int64_t r) {
+      const int64_t blocks = blocks_of(r);
+      return std::min(blocks, pieces > 0 ? pieces : std::clamp<int64_t>(blocks / min_blocks, 1, threads));
+    };
+    std::vector<int64_t> first(rows + 1, 0);         // global index of each row's first piece
+    for (int64_t r = 0; r < rows; ++r) first[r + 1] = first[r] + pieces_of(r);
     const int64_t total = first[rows];
     if (total == 0) return;
-    if (shares <= 0) {
-      const int64_t min_blocks = std::max<int64_t>(1, kMinShare / cache.block_size);
-      shares = std::clamp<int64_t>(total / min_blocks, 1, at::get_num_threads());
-    }
-    shares = std::min(shares, total);
-    // a share's first and last pieces may be parts of rows: slots 2 * share and 2 * share + 1
-    std::vector<Partial> partial(2 * shares);
-    std::vector<int64_t> partial_row(2 * shares, -1);
+    const int64_t shares = std::min(total, threads);
+    std::vector<Partial> partial(total);             // the pieces of rows that were cut
     at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
       Scratch<S> scratch{};
       Int8Scratch scratch8;
       Partial st;
       std::vector<Query<S>> qs;
       Int8Queries qi;
+      int64_t staged = -1;
       for (int64_t sh = begin; sh < end; ++sh) {
         const int64_t lo = total * sh / shares, hi = total * (sh + 1) / shares;
         int64_t row = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
-        for (int64_t from = lo; from < hi; ++row) {
-          const int64_t piece_end = std::min(hi, first[row + 1]);
-          if (piece_end == from) continue;           // an empty row
-          const bool whole = from == first[row] && piece_end == first[row + 1];
-          const int64_t slot = 2 * sh + (from == lo ? 0 : 1);
-          Partial& target = whole ? st : partial[slot];
+        for (int64_t piece = lo; piece < hi; ++piece) {
+          while (first[row + 1] <= piece) ++row;
+          const bool whole = first[row + 1] - first[row] == 1;
+          Partial& target = whole ? st : partial[piece];
           target.reset(q_heads, cache.dim);
-          stage(row, qs, qi);
+          if (row != staged) stage(row, qs, qi);
+          staged = row;
+          const int64_t cut = first[row + 1] - first[row], j = piece - first[row], blocks = blocks_of(row);
+          const int64_t from = blocks * j / cut, to = blocks * (j + 1) / cut;
 #ifdef PAGEDSERVE_INT8_DOT
           if constexpr (kInt8<S>)
-            run_int8(row, from - first[row], piece_end - first[row], qi, target, scratch8);
+            run_int8(row, from, to, qi, target, scratch8);
           else
 #endif
-            run(row, from - first[row], piece_end - first[row], qs.data(), target, scratch);
-          if (whole)
-            finish(row, st);
-          else
-            partial_row[slot] = row;
-          from = piece_end;
+            run(row, from, to, qs.data(), target, scratch);
+          if (whole) finish(row, st);
         }
       }
     });
     std::vector<const Partial*> parts;
-    for (int64_t slot = 0; slot < 2 * shares;) {   // a cut row's pieces sit in increasing slots
-      const int64_t row = partial_row[slot];
-      if (row < 0) {
-        ++slot;
-        continue;
-      }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (first[r + 1] - first[r] < 2) continue;
       parts.clear();
-      for (; slot < 2 * shares && (partial_row[slot] == row || partial_row[slot] < 0); ++slot)
-        if (partial_row[slot] == row) parts.push_back(&partial[slot]);
-      merge(row, parts);
+      for (int64_t piece = first[r]; piece < first[r + 1]; ++piece) parts.push_back(&partial[piece]);
+      merge(r, parts);
     }
   }
 };
 
 template <class C>
 void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const DecodeRows& rows, const at::Tensor& tables, double scale, int64_t shares, int64_t lanes) {
+            const DecodeRows& rows, const at::Tensor& tables, double scale, int64_t pieces, int64_t lanes) {
   const Cache cache{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.size(0), k_cache.size(1),
                     q.size(2)};
   auto run = [&](auto isa, const at::Tensor& queries) {
@@ -294,7 +293,7 @@ void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
                            static_cast<const Elem<C>*>(v_cache.data_ptr()), cache, rows.tokens.data(),
                            rows.lens.data(), rows.table_rows.data(), tables.data_ptr<int32_t>(), tables.size(1),
                            q.size(1), k_cache.size(2), static_cast<float>(scale)};
-    job(static_cast<int64_t>(rows.tokens.size()), shares);
+    job(static_cast<int64_t>(rows.tokens.size()), pieces);
   };
   // the widest vectors (of at most `lanes`, if > 0) whose pairs divide head_dim (model head_dims are
   // multiples of 32; so are quantized rows', so every set reads whole pieces of one block)
@@ -324,12 +323,12 @@ void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
 // get their attention, and prefill_rows' count (with -1 the output is all zeros).
 // q: [T, Hq, D] fp32 or bf16, contiguous; caches [NB, BS, Hk, D] fp32, bf16 or fp16 with unit stride in D,
 // D even, or uint8 [NB, BS, Hk, row bytes] of q8_0 / q4_0 rows (D a multiple of 32; the row bytes say
-// which; K stored rotated). `shares` > 0 cuts the work into that many pieces
+// which; K stored rotated). `pieces` > 0 cuts each row into that many pieces
 // (tests force cuts on small inputs); `lanes` > 0 caps the vector width (tests run the narrower sets).
 std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                                        const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                                        const at::Tensor& context_lens, const at::Tensor& block_tables,
-                                                       double scale, int64_t shares, int64_t lanes,
+                                                       double scale, int64_t pieces, int64_t lanes,
                                                        int64_t max_tokens) {
   const int64_t dim = q.size(2);
   const bool quantized = k_cache.scalar_type() == at::kByte;
@@ -356,16 +355,16 @@ std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, cons
   if (prefill < 0) return {out.to(q.scalar_type()), prefill};
   const DecodeRows rows(starts, lens, ctx.size(0), max_tokens);
   switch (k_cache.scalar_type()) {
-    case at::kFloat: decode<float>(q, out, k_cache, v_cache, rows, tables, scale, shares, lanes); break;
+    case at::kFloat: decode<float>(q, out, k_cache, v_cache, rows, tables, scale, pieces, lanes); break;
     case at::kBFloat16:
-      decode<c10::BFloat16>(q, out, k_cache, v_cache, rows, tables, scale, shares, lanes);
+      decode<c10::BFloat16>(q, out, k_cache, v_cache, rows, tables, scale, pieces, lanes);
       break;
-    case at::kHalf: decode<c10::Half>(q, out, k_cache, v_cache, rows, tables, scale, shares, lanes); break;
+    case at::kHalf: decode<c10::Half>(q, out, k_cache, v_cache, rows, tables, scale, pieces, lanes); break;
     case at::kByte:
       if (k_cache.size(3) == q8_bytes)
-        decode<kv_quant::Q8_0>(q, out, k_cache, v_cache, rows, tables, scale, shares, lanes);
+        decode<kv_quant::Q8_0>(q, out, k_cache, v_cache, rows, tables, scale, pieces, lanes);
       else
-        decode<kv_quant::Q4_0>(q, out, k_cache, v_cache, rows, tables, scale, shares, lanes);
+        decode<kv_quant::Q4_0>(q, out, k_cache, v_cache, rows, tables, scale, pieces, lanes);
       break;
     default:
       TORCH_CHECK(false, "pagedserve_cpu::paged_attention_decode: K/V cache dtype ", k_cache.scalar_type(),
@@ -378,7 +377,7 @@ std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, cons
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("paged_attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
-        "Tensor context_lens, Tensor block_tables, float scale, int shares=0, int lanes=0, int max_tokens=1) "
+        "Tensor context_lens, Tensor block_tables, float scale, int pieces=0, int lanes=0, int max_tokens=1) "
         "-> (Tensor, int)",
         &paged_attention_decode);
 }
