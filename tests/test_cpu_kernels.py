@@ -58,9 +58,9 @@ def test_the_kernels_are_what_the_cpu_dispatch_runs():
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("head_dim", [40, 64, 128])     # 40: past the last 32-wide step of the value sums
 # the kernel takes the one-token rows; also the 7-token row; also the 20-token fresh prompt (else SDPA does)
-@pytest.mark.parametrize("short_row_tokens", [1, 7, 20])
-def test_paged_attention_matches_reference_on_ragged_batch(dtype, group, head_dim, short_row_tokens, monkeypatch):
-    monkeypatch.setattr(ops.cpu, "SHORT_ROW_TOKENS", short_row_tokens)
+@pytest.mark.parametrize("kernel_row_tokens", [1, 7, 20])
+def test_paged_attention_matches_reference_on_ragged_batch(dtype, group, head_dim, kernel_row_tokens, monkeypatch):
+    monkeypatch.setattr(ops.cpu, "KERNEL_ROW_TOKENS", kernel_row_tokens)
     kv_heads = 2
     q, kc, vc, qsl, ctx, tables = _paged(RAGGED, kv_heads * group, kv_heads, head_dim, dtype, pad_tokens=3,
                                          seed=group + head_dim)

@@ -4,8 +4,8 @@
 (~15 s, cached under the user cache dir, see ops/cpu/build.py). Without a working compiler one line is
 logged and the torch bodies stay registered. PAGEDSERVE_CPU_KERNELS=0 skips the build on purpose.
 
-Ops with a kernel: paged_attention (decode and verify rows, K/V stored in fp32, bf16 or fp16, or q8_0 / q4_0
-rows dequantized in registers; prefill rows keep torch's SDPA), write_kv (converting to the cache's dtype or
+Ops with a kernel: paged_attention (decode and verify rows, and prefill rows on AVX-512 CPUs; K/V stored in
+fp32, bf16 or fp16, or q8_0 / q4_0 rows dequantized in registers; other prefill rows keep torch's SDPA), write_kv (converting to the cache's dtype or
 quantizing), rotary,
 quant_linear, rms_norm and add_rms_norm (these round where transformers does; only the order of the
 sum of squares differs, so outputs may differ from the torch body by an ulp or two). silu_and_mul stays
@@ -35,9 +35,10 @@ ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)     # what the templated kernels are instantiated for
 _lib = None                                         # torch.ops.pagedserve_cpu once loaded
 # Rows of up to this many new tokens (decode rows, speculative verify rows) are attended by the C++ kernel,
-# one decode row per token, where SDPA's masked path was many times dearer; longer rows (prefill chunks) by
-# torch's SDPA, which reads K/V once for all of a row's tokens (the kernel, once per token).
-SHORT_ROW_TOKENS = 64
+# one decode row per token, where SDPA's masked path was many times dearer. On AVX-512 CPUs every row is:
+# the kernel beat torch's flash SDPA there at 512-token prefill chunks too. Elsewhere longer rows stay with
+# SDPA, which reads K/V once for all of a row's tokens (the kernel, once per token).
+KERNEL_ROW_TOKENS = 2**31 - 1 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 64
 
 
 def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor,
@@ -47,7 +48,7 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
             or v_cache.stride() != k_cache.stride() or q.shape[2] % 2):
         return torch_paged_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale)
     out, prefill = _lib.paged_attention_decode(q.contiguous(), k_cache, v_cache, query_start_loc, context_lens,
-                                               block_tables, scale, 0, 0, SHORT_ROW_TOKENS)
+                                               block_tables, scale, 0, 0, KERNEL_ROW_TOKENS)
     if not prefill:              # short rows only, and their lengths checked by the kernel
         return out
     starts, ctx = query_start_loc.tolist(), context_lens.tolist()
@@ -55,7 +56,7 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
         _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])
     for i, n_ctx in enumerate(ctx):
         n = starts[i + 1] - starts[i]
-        if n > SHORT_ROW_TOKENS:   # prefill chunks: torch's flash-attention SDPA is already compute-efficient
+        if n > KERNEL_ROW_TOKENS:   # prefill chunks: torch's flash-attention SDPA is already compute-efficient
             _prefill_row(out, q, k_cache, v_cache, starts[i], n, n_ctx, block_tables[i], scale)
     return out
 
