@@ -382,9 +382,8 @@ async def test_a_snapshot_that_arrives_before_the_monitor_is_mounted_is_drawn_on
 
 @pytest.mark.parametrize("attempt", range(4))
 async def test_a_snapshot_that_lands_while_the_app_shuts_down_is_dropped(tmp_path, attempt):
-    """The monitor's poll runs in a thread: its snapshot can arrive while the app closes and prunes
-    its screens. That snapshot is dropped; drawing it raised NoMatches (or ScreenStackError) and
-    turned a clean exit into a crash. The race is hit about half the time per attempt."""
+    """The monitor's poll runs in a thread: a snapshot landing while the app prunes its screens is
+    dropped (drawing it raised NoMatches or ScreenStackError). Each attempt hits the race about half the time."""
     import time
     from console.client import EngineSnapshot
     client = FakeClient()

@@ -5,11 +5,10 @@
 logged and the torch bodies stay registered. PAGEDSERVE_CPU_KERNELS=0 skips the build on purpose.
 
 Ops with a kernel: paged_attention (decode and verify rows, and prefill rows on AVX-512 CPUs; K/V stored in
-fp32, bf16 or fp16, or q8_0 / q4_0 rows dequantized in registers; other prefill rows keep torch's SDPA), write_kv (converting to the cache's dtype or
-quantizing), rotary,
-quant_linear, rms_norm and add_rms_norm (these round where transformers does; only the order of the
-sum of squares differs, so outputs may differ from the torch body by an ulp or two). silu_and_mul stays
-in torch: its exp is torch's own.
+fp32, bf16 or fp16, or q8_0 / q4_0 rows dequantized in registers; other prefill rows keep torch's SDPA),
+write_kv (converting to the cache's dtype or quantizing), rotary, quant_linear, rms_norm and add_rms_norm
+(these round where transformers does; only the order of the sum of squares differs, so outputs may differ
+from the torch body by an ulp or two). silu_and_mul stays in torch: its exp is torch's own.
 """
 from __future__ import annotations
 

@@ -8,9 +8,10 @@
 // over chunks of 64 positions (run_int8), where widening every value to fp32 kept the FMA ports, not
 // memory, the limit.
 //
-// A short row (a speculative verify row: a few new tokens after a long context) is attended as one decode
-// row per token, each over the context its token sees (causal): its K/V are read once per token, mostly from
-// cache, where torch's SDPA with a bottom-right causal mask cost ~30x a decode row per layer.
+// A row of several new tokens (up to the caller's `max_tokens`: speculative verify rows, and on AVX-512 CPUs
+// prefill chunks) is attended as one decode row per token, each over the context its token sees (causal):
+// its K/V are read once per token, mostly from cache, where torch's SDPA with a bottom-right causal mask
+// cost ~30x a decode row per layer for a verify row.
 //
 // Flash-decoding: each long decode row is cut into up to one piece per thread (by its own length only: the
 // batch beside a row never changes its rounding) and the threads take equal runs of pieces, so a single long row
