@@ -48,14 +48,14 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
         return torch_paged_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale)
     out, prefill = _lib.paged_attention_decode(q.contiguous(), k_cache, v_cache, query_start_loc, context_lens,
                                                block_tables, scale, 0, 0, KERNEL_ROW_TOKENS)
-    if not prefill:              # short rows only, and their lengths checked by the kernel
+    if not prefill:              # the kernel's rows only, and their lengths checked by it
         return out
     starts, ctx = query_start_loc.tolist(), context_lens.tolist()
     if prefill < 0:              # the kernel refused the lengths: name the row
         _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])
     for i, n_ctx in enumerate(ctx):
         n = starts[i + 1] - starts[i]
-        if n > KERNEL_ROW_TOKENS:   # prefill chunks: torch's flash-attention SDPA is already compute-efficient
+        if n > KERNEL_ROW_TOKENS:   # longer rows: torch's flash-attention SDPA (see KERNEL_ROW_TOKENS)
             _prefill_row(out, q, k_cache, v_cache, starts[i], n, n_ctx, block_tables[i], scale)
     return out
 
