@@ -190,6 +190,20 @@ def test_kernel_matches_the_reference(bits, with_mins, dtype, two_level):
                 assert torch.equal(out, _run_op(x, w.flattened()))
 
 
+@pytest.mark.parametrize("bits, with_mins, two_level", FORMATS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_a_row_comes_out_the_same_bit_for_bit_whatever_the_rows_beside_it(bits, with_mins, two_level, dtype):
+    """A speculative verify row's tokens must get exactly what decode steps compute for them (greedy output
+    then cannot change): each of 9 rows (row blocks of 4 and 8, the matrix-tile path from 6 rows) equals the
+    same row alone."""
+    groups = _random_groups(200, 1024, bits, with_mins, seed=bits, two_level=two_level)
+    w = QuantizedWeight.from_groups(*groups[:3], bits, groups[3])
+    x = _activations(9, 1024, dtype, seed=bits + 1)
+    together = _run_op(x, w)
+    for i in range(9):
+        assert torch.equal(_run_op(x[i:i + 1].contiguous(), w)[0], together[i])
+
+
 @pytest.mark.parametrize("bits, with_mins, two_level", [f for f in FORMATS if f[0] != 8])
 def test_vnni_and_maddubs_tiles_give_the_same_bits(bits, with_mins, two_level):
     """The int4 / int6 tiles' two forms of the integer sums (dpbusd where the CPU has AVX-512 VNNI, an exact
