@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from ops._registry import NAMESPACE, direct, impl, register, require
-from ops.quant_weight import GROUP, GROUP_BYTES, HALF, Q_DTYPE, ROW_TILE, SUPER, QuantError, QuantizedWeight
+from ops.quant_weight import (GROUP, GROUP_BYTES, HALF, Q_DTYPE, ROW_TILE, SUPER, QuantError, QuantizedWeight,
+                              supers_per_row)
 
 
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -45,11 +46,11 @@ def _check(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supe
                 f"{name} must be contiguous {factor_dtype} {list(factor_shape)} to match qweight"
                 f"{' and supers' if supers is not None else ''}, got {None if t is None else (t.dtype, tuple(t.shape))}")
     if supers is not None:
-        shape = (tiles, groups // SUPER, 1 + (mins is not None), ROW_TILE)
-        require(groups % SUPER == 0 and supers.dtype == torch.float32 and supers.shape == shape
-                and supers.is_contiguous(), op,
-                f"supers must be contiguous float32 {list(shape)} (K a multiple of {GROUP * SUPER}), "
-                f"got {supers.dtype} {tuple(supers.shape)}")
+        shape = (tiles, supers_per_row(groups), 1 + (mins is not None), ROW_TILE)
+        require(supers.dtype == torch.float32 and supers.shape == shape and supers.is_contiguous()
+                and (bits != 6 or groups % SUPER == 0), op,
+                f"supers must be contiguous float32 {list(shape)} (one per {GROUP * SUPER} values; int6: K a "
+                f"multiple of {GROUP * SUPER}), got {supers.dtype} {tuple(supers.shape)}")
     require(x.shape[1] == groups * GROUP, op,
             f"x has K={x.shape[1]} features, the weight has {groups * GROUP} ({groups} groups of {GROUP})")
     require((tiles - 1) * ROW_TILE < out_features <= tiles * ROW_TILE, op,

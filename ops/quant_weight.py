@@ -49,6 +49,7 @@ GROUP_BYTES = {4: ROW_TILE * GROUP // 2, 6: ROW_TILE * GROUP * 6 // 8, 8: ROW_TI
 Q_DTYPE = {4: torch.uint8, 6: torch.uint8, 8: torch.int8}
 _Q_RANGE = {4: (0, 15), 6: (0, 63), 8: (-128, 127)}
 SUPER = 8                   # groups sharing one super value in two-level scales (256 values, QK_K)
+# (a K that is no multiple of 256 leaves its last super value fewer groups: 896 = 3.5 x 256)
 HALF = GROUP // 2           # values per int6 sub-scale
 INT6_OFFSET = 32            # an int6 q stands for q - 32
 
@@ -111,8 +112,13 @@ def _untile_per_group(values: Tensor) -> Tensor:
     return values.transpose(1, 2).reshape(-1, values.shape[1], *values.shape[3:])
 
 
+def supers_per_row(groups: int) -> int:
+    """Super values per row and factor kind: one per SUPER groups, the last one for what is left."""
+    return -(-groups // SUPER)
+
+
 def _tile_supers(supers: Tensor) -> Tensor:
-    """[Np, G/8, S] -> [T, G/8, S, 8]."""
+    """[Np, G/8, S] -> [T, G/8, S, 8] (G/8 rounded up, as everywhere below)."""
     n, g8, s = supers.shape
     return supers.view(n // ROW_TILE, ROW_TILE, g8, s).permute(0, 2, 3, 1).contiguous()
 
@@ -138,7 +144,7 @@ class QuantizedWeight:
     def from_groups(cls, q: Tensor, scales: Tensor, mins: Tensor | None, bits: int,
                     supers: Tensor | None = None) -> QuantizedWeight:
         """q: [N, K] (bits=4: uint8 0..15; bits=8: int8); scales, mins: float32 [N, K // 32]; or, with
-        `supers` float32 [N, K // 256, S] (S = 2 with mins, else 1), scales and mins uint8 sub-values.
+        `supers` float32 [N, ceil(K / 256), S] (S = 2 with mins, else 1), scales and mins uint8 sub-values.
         bits=6: q uint8 0..63 (standing for q - 32), scales int8 [N, K // 16], no mins, supers [N, K // 256, 1]."""
         if bits not in Q_DTYPE:
             raise QuantError(f"bits={bits}: allowed are 4, 6 and 8")
@@ -156,12 +162,14 @@ class QuantizedWeight:
         if bits == 6 and (supers is None or mins is not None):
             raise QuantError(f"bits=6 (Q6_K's form) takes int8 sub-scales per {HALF} values under supers "
                              f"and no mins; got {'no supers' if supers is None else 'mins'}")
+        if bits == 6 and groups % SUPER:
+            raise QuantError(f"bits=6 (Q6_K's form) needs in_features a multiple of {GROUP * SUPER}, got {k}")
         if supers is not None:
-            count = 1 + (mins is not None)
-            if groups % SUPER or supers.dtype != torch.float32 or tuple(supers.shape) != (n, groups // SUPER, count):
-                raise QuantError(f"supers must be float32 [{n}, {groups // SUPER}, {count}] (K a multiple of "
-                                 f"{GROUP * SUPER}; one scale{' and one min' if count == 2 else ''} factor per "
-                                 f"row and {GROUP * SUPER} values), got {supers.dtype} {tuple(supers.shape)} for K={k}")
+            count, per_row = 1 + (mins is not None), supers_per_row(groups)
+            if supers.dtype != torch.float32 or tuple(supers.shape) != (n, per_row, count):
+                raise QuantError(f"supers must be float32 [{n}, {per_row}, {count}] (one scale"
+                                 f"{' and one min' if count == 2 else ''} factor per row and {GROUP * SUPER} "
+                                 f"values, the last for the rest), got {supers.dtype} {tuple(supers.shape)} for K={k}")
         factor_dtype = torch.float32 if supers is None else torch.int8 if bits == 6 else torch.uint8
         per = HALF if bits == 6 else GROUP
         for name, t in (("scales", scales), ("mins", mins)):
@@ -198,7 +206,7 @@ class QuantizedWeight:
             raise QuantError(f"int6 has a scale per {HALF} values: it has no form with one per {GROUP}")
         if self.supers is None:
             return self
-        per_group = self.supers.repeat_interleave(SUPER, dim=1)          # [T, G, S, 8]
+        per_group = self.supers.repeat_interleave(SUPER, dim=1)[:, :self.in_features // GROUP]     # [T, G, S, 8]
         mins = None if self.mins is None else (per_group[:, :, 1] * self.mins.float()).contiguous()
         return replace(self, scales=(per_group[:, :, 0] * self.scales.float()).contiguous(), mins=mins, supers=None)
 
@@ -296,56 +304,45 @@ def _per_group32(values: Tensor, group_size: int) -> Tensor:
 
 
 def _two_level(values: Tensor) -> tuple[Tensor, Tensor]:
-    """Magnitudes >= 0 per group [N, G] -> (uint8 sub-values [N, G], float32 supers [N, G/8]) with
+    """Magnitudes >= 0 per group [N, G] -> (uint8 sub-values [N, G], float32 supers [N, ceil(G/8)]) with
     supers * sub >= value, rounded up so that a quantized group's range still covers its weights."""
-    per_super = values.view(values.shape[0], -1, SUPER)
+    n, groups = values.shape
+    per_super = torch.nn.functional.pad(values, (0, -groups % SUPER)).view(n, -1, SUPER)
     supers = per_super.amax(-1) / 255
     safe = torch.where(supers > 0, supers, 1.0)[..., None]
     subs = torch.ceil(per_super / safe).clamp(0, 255).to(torch.uint8)
-    return subs.view(values.shape), supers
+    return subs.view(n, -1)[:, :groups].contiguous(), supers
 
 
 def _expand(subs: Tensor, supers: Tensor) -> Tensor:
     """The fp32 factors two-level (subs, supers) stand for, [N, G] (as QuantizedWeight multiplies them)."""
-    return supers.repeat_interleave(SUPER, dim=1) * subs.float()
-
-
-def _wants_two_level(k: int) -> bool:
-    return k % (GROUP * SUPER) == 0
+    return supers.repeat_interleave(SUPER, dim=1)[:, :subs.shape[1]] * subs.float()
 
 
 def quantize_int8(w: Tensor, group_size: int = GROUP) -> QuantizedWeight:
-    """Symmetric: scale = amax / 127 per group, q = round(w / scale), no mins. When K is a multiple of
-    256 the scales are two-level (each rounded up to a multiple of its super-block's max / 255)."""
+    """Symmetric: scale = amax / 127 per group, q = round(w / scale), no mins. The scales are two-level
+    (each rounded up to a multiple of its super-block's max / 255)."""
     groups = _weight_groups(w, group_size)
     scales = _per_group32(groups.abs().amax(-1) / 127, group_size)
-    supers = None
-    if _wants_two_level(w.shape[1]):
-        subs, supers = _two_level(scales)
-        scales, supers = _expand(subs, supers), supers[..., None]
+    subs, supers = _two_level(scales)
+    scales, supers = _expand(subs, supers), supers[..., None]
     safe = torch.where(scales > 0, scales, 1.0).view(w.shape[0], -1, 1)
     q = torch.round(w.detach().cpu().float().view(w.shape[0], -1, GROUP) / safe).clamp(-127, 127)
     q = q.to(torch.int8).view(w.shape)
-    return QuantizedWeight.from_groups(q, subs if supers is not None else scales, None, 8, supers)
+    return QuantizedWeight.from_groups(q, subs, None, 8, supers)
 
 
 def quantize_int4(w: Tensor, group_size: int = GROUP) -> QuantizedWeight:
     """Asymmetric: per group min and scale = (max - min) / 15, q = round((w - min) / scale) in 0..15.
-    When K is a multiple of 256 the factors are two-level like llama.cpp's Q4_K: mins are <= 0 (a group
-    above zero starts at 0) and rounded away from zero, then scales are rounded up to still reach the max."""
+    The factors are two-level like llama.cpp's Q4_K: mins are <= 0 (a group above zero starts at 0) and
+    rounded away from zero, then scales are rounded up to still reach the max."""
     groups = _weight_groups(w, group_size)
     low, high = _per_group32(groups.amin(-1), group_size), _per_group32(groups.amax(-1), group_size)
-    subs = supers = None
-    if _wants_two_level(w.shape[1]):
-        min_subs, min_supers = _two_level(-low.clamp(max=0))
-        low = -_expand(min_subs, min_supers)
-        subs, scale_supers = _two_level((high - low) / 15)
-        scales, supers = _expand(subs, scale_supers), torch.stack([scale_supers, -min_supers], dim=-1)
-    else:
-        scales = (high - low) / 15
+    min_subs, min_supers = _two_level(-low.clamp(max=0))
+    low = -_expand(min_subs, min_supers)
+    subs, scale_supers = _two_level((high - low) / 15)
+    scales = _expand(subs, scale_supers)
     safe = torch.where(scales > 0, scales, 1.0).view(w.shape[0], -1, 1)
     x = w.detach().cpu().float().view(w.shape[0], -1, GROUP)
     q = torch.round((x - low.view(w.shape[0], -1, 1)) / safe).clamp(0, 15).to(torch.uint8).view(w.shape)
-    if supers is None:
-        return QuantizedWeight.from_groups(q, scales, low, 4)
-    return QuantizedWeight.from_groups(q, subs, min_subs, 4, supers)
+    return QuantizedWeight.from_groups(q, subs, min_subs, 4, torch.stack([scale_supers, -min_supers], dim=-1))

@@ -243,7 +243,7 @@ def test_checkpoint_quantized_at_load(tiny_checkpoint, tmp_path, record_property
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     common = dict(dtype="float32", max_model_len=128, kv_pool_tokens=1024)
     at_load = LLM(model=str(path), quantization=mode, quant_group_size=group, **common)
-    assert at_load.engine.weights == f"{'int8 g32 sym' if mode == 'int8' else 'int4 g32 asym'} x9"
+    assert at_load.engine.weights == f"{'int8 g32x8 sym' if mode == 'int8' else 'int4 g32x8 asym'} x9"
     from_disk = LLM(model=str(stored), **common)
     assert ([o.token_ids for o in at_load.generate(PROMPTS, params)]
             == [o.token_ids for o in from_disk.generate(PROMPTS, params)])

@@ -87,7 +87,7 @@ class Checkpoint:
             return t if rows is None or t is None else t.index_select(0, rows)
         if not self.is_quantized(name):
             return picked(self.get(name, shape, dtype))
-        from ops.quant_weight import GROUP, HALF, SUPER, QuantError, QuantizedWeight
+        from ops.quant_weight import GROUP, HALF, QuantError, QuantizedWeight, supers_per_row
 
         values, scales, mins, supers = group_tensor_names(name)
         q = self._read(values, shape)
@@ -106,7 +106,7 @@ class Checkpoint:
         try:
             return QuantizedWeight.from_groups(
                 picked(q), picked(factors[0]), picked(factors[1]), bits,
-                picked(self._read(supers, (shape[0], groups[1] // SUPER, 1 + self.has(mins))) if two_level else None))
+                picked(self._read(supers, (shape[0], supers_per_row(groups[1]), 1 + self.has(mins))) if two_level else None))
         except QuantError as e:
             raise CheckpointError(f"{self._locate(values)[0]}: weight {name!r}: {e}") from None
 

@@ -44,7 +44,7 @@ namespace mtile = pagedserve_cpu::tiles;
 constexpr int64_t kGroup = 32;
 constexpr int64_t kHalf = 16;             // values per int6 sub-scale
 constexpr int32_t kInt6Offset = 32;       // an int6 q stands for q - 32
-constexpr int64_t kSuper = 8;             // groups per two-level factor
+constexpr int64_t kSuper = 8;             // groups per two-level factor (the last of a row's may have fewer)
 constexpr int64_t kTile = 8;              // output rows per weight tile
 constexpr int kRowBlock = 4;              // x rows sharing one unpacked tile-group (register budget)
 // int4 tiles need 2 ymm per row: with AVX-512's 32 registers 8 rows share a tile-group. A verify row of
@@ -148,7 +148,7 @@ struct TileArgs {
   // two-level factors as stored, for the kernel to multiply out per group (then scales and mins are unused)
   const uint8_t* subs = nullptr;
   const uint8_t* sub_mins = nullptr;
-  const float* supers = nullptr;   // the tile's [G/8, count, 8]
+  const float* supers = nullptr;   // the tile's [ceil(G/8), count, 8]
   int64_t super_count = 1;
   const int8_t* half_scales = nullptr;   // int6: the tile's [G, 8, 2] sub-scales (supers then has count 1)
 };
@@ -166,16 +166,14 @@ inline __m256 sub_times_super(const uint8_t* sub, const float* super) {
 // extra work: group factors are multiplied out in the kernel then, a 17920x1536 int4 layer at M=1 took
 // 0.63 instead of 0.96 ms, and a decode step of the default Q4_K_M model 43.5-47.0 instead of 46.5-51.7 ms
 // (p10 of 14 alternations, two runs); at 8 and 64 rows the kernel's form was as fast or up to 10 % slower.
-// supers: the tile's [G/8, count, 8].
+// supers: the tile's [ceil(G/8), count, 8].
 void expand_factors(const uint8_t* subs, const float* supers, int which, int64_t count, int64_t groups, float* out) {
-  for (int64_t b = 0; b < groups / kSuper; ++b) {
-    const float* super = supers + (b * count + which) * kTile;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* super = supers + ((g / kSuper) * count + which) * kTile;
 #ifdef __AVX2__
-    for (int64_t g = b * kSuper; g < (b + 1) * kSuper; ++g)
-      _mm256_storeu_ps(out + g * kTile, sub_times_super(subs + g * kTile, super));
+    _mm256_storeu_ps(out + g * kTile, sub_times_super(subs + g * kTile, super));
 #else
-    for (int64_t g = b * kSuper; g < (b + 1) * kSuper; ++g)
-      for (int r = 0; r < kTile; ++r) out[g * kTile + r] = super[r] * static_cast<float>(subs[g * kTile + r]);
+    for (int r = 0; r < kTile; ++r) out[g * kTile + r] = super[r] * static_cast<float>(subs[g * kTile + r]);
 #endif
   }
 }
@@ -675,13 +673,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                     t->size(0) == tiles && t->size(1) == groups && t->size(2) == kTile && (!int6 || t->size(3) == 2),
                 op, ": scales and mins must be contiguous ", factor_type, " [", tiles, ", ", groups, ", 8",
                 int6 ? ", 2]" : "]", ", got ", t->scalar_type(), " ", t->sizes());
-  const int64_t super_count = has_mins ? 2 : 1;
+  const int64_t super_count = has_mins ? 2 : 1, super_blocks = (groups + kSuper - 1) / kSuper;
   if (two_level)
-    TORCH_CHECK(groups % kSuper == 0 && supers->scalar_type() == at::kFloat && supers->is_contiguous() &&
-                    supers->dim() == 4 && supers->size(0) == tiles && supers->size(1) == groups / kSuper &&
+    TORCH_CHECK((!int6 || groups % kSuper == 0) && supers->scalar_type() == at::kFloat && supers->is_contiguous() &&
+                    supers->dim() == 4 && supers->size(0) == tiles && supers->size(1) == super_blocks &&
                     supers->size(2) == super_count && supers->size(3) == kTile,
-                op, ": supers must be contiguous float32 [", tiles, ", ", groups / kSuper, ", ", super_count,
-                ", 8] with K a multiple of 256, got ", supers->sizes());
+                op, ": supers must be contiguous float32 [", tiles, ", ", super_blocks, ", ", super_count,
+                ", 8] (int6: K a multiple of 256), got ", supers->sizes());
   TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, op, ": out_features=",
               out_features, " does not fit ", tiles, " tiles of 8 rows");
   // matrix tiles: asked for (emulated without AMX), or by default where AMX runs and the call has enough rows
@@ -707,7 +705,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     // tile t's weights and factors; two-level factors multiplied out into `expanded` unless `in_kernel`
     auto tile_args = [&](int64_t t, bool in_kernel, std::vector<float>& expanded) {
       TileArgs args{w + t * groups * group_bytes, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, k, groups};
-      const float* tile_supers = two_level ? sup + t * (groups / kSuper) * super_count * kTile : nullptr;
+      const float* tile_supers = two_level ? sup + t * super_blocks * super_count * kTile : nullptr;
       if (int6) {
         args.half_scales = reinterpret_cast<const int8_t*>(subs) + t * tile_factors * 2;
         args.supers = tile_supers;
