@@ -9,7 +9,8 @@ draft has not read: `cached_token_ids`), so steps without proposals, e.g. a full
 cost nothing more than without a draft. A block whose every position the draft read stays valid
 for it until the block is handed out again, so a prompt cached with the draft's K/V is not reread.
 A step reads at most `read_per_step` backlog tokens; a row still catching up gets no proposals.
-Then the draft proposes greedily, one token per row and forward, while it is sure (`p_min`). A
+Then the draft proposes greedily, one token per row and forward, while it is sure (`p_min`): the
+first token it is unsure of ends the row's proposals, and is proposed too. A
 greedy proposal keeps the verification exact for random draws too: the rule for a point-mass
 proposal (engine/speculation.py) holds whatever chose the point.
 
@@ -33,8 +34,9 @@ from engine.plan_ledger import RowRecord
 from engine.speculation import accepted_run
 
 BatchOf = Callable[[list[PlanRow], list[RowRecord]], ForwardBatch]
-# A row stops proposing at the first token the draft gives less than this probability: each
-# proposal costs a draft forward, and the unsure ones are mostly rejected (llama.cpp's --draft-p-min)
+# A row's proposals end with the first token the draft gives less than this probability (llama.cpp's
+# --draft-p-min): a proposal after it would cost a draft forward for a likely rejection. That token itself
+# is proposed: its forward is paid for, a verify position costs a fraction of one, and it is often right
 P_MIN = 0.75
 
 
@@ -108,19 +110,24 @@ class DraftModel:
             if caught_up:
                 drafting.append((len(reads) - 1, row))
         proposals: dict[str, list[int]] = {row.request_id: [] for _, row in drafting}
+        unsure: set[str] = set()
+
+        def add(row: PlanRow, token: int, p: float) -> None:
+            proposals[row.request_id].append(token)
+            if p < self.p_min:
+                unsure.add(row.request_id)
         if reads:
             drawn = self._greedy(batch_of(reads, read_recs), [rec.index for rec in read_recs])
             for (_, row), (t, p) in zip(drafting, drawn):
-                if p >= self.p_min:
-                    proposals[row.request_id].append(t)
+                add(row, t, p)
         scratch = {}
         if self.state_pool is not None:
             for n, (i, row) in enumerate(drafting):
                 scratch[row.request_id] = self._scratch + n
                 self.state_pool.copy(read_recs[i].index, self._scratch + n)
         for step in range(1, max((row.draft_k for _, row in drafting), default=0)):
-            # rows still confident after `step` proposals
-            ahead = [(i, row) for i, row in drafting if row.draft_k > step == len(proposals[row.request_id])]
+            # rows still sure after `step` proposals
+            ahead = [(i, row) for i, row in drafting if row.draft_k > step and row.request_id not in unsure]
             if not ahead:
                 break
             feeds = [replace(reads[i], token_ids=(proposals[row.request_id][-1],), start_pos=row.start_pos + step)
@@ -128,8 +135,7 @@ class DraftModel:
             slots = [scratch.get(row.request_id) for _, row in ahead]
             drawn = self._greedy(batch_of(feeds, [read_recs[i] for i, _ in ahead]), slots)
             for (_, row), (t, p) in zip(ahead, drawn):
-                if p >= self.p_min:
-                    proposals[row.request_id].append(t)
+                add(row, t, p)
                 if self.state_pool is None:     # a hybrid draft's slot read none of its proposals
                     self._read[row.request_id] += 1
         return [row.with_proposals(tuple(proposals.get(row.request_id, ()))) if row.draft_k else row

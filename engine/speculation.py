@@ -49,7 +49,7 @@ class DraftProposer:
 
 @dataclass
 class _Pace:
-    """One request's proposal length: +1 after a fully accepted run, cut to what was accepted
+    """One request's proposal length: +1 after a fully accepted run, cut to one more than was accepted
     otherwise; at 0 it sits out `wait` steps, twice as many each time in a row, then tries k = 1."""
     k: int
     wait: int = 0
@@ -132,7 +132,7 @@ class Speculator:
         if matched == row.num_draft:
             pace.k, pace.backoff = min(self.k, pace.k + 1), 1
         elif matched:
-            pace.k, pace.backoff = matched, 1
+            pace.k, pace.backoff = min(self.k, matched + 1), 1
         else:
             pace.k, pace.wait, pace.backoff = 0, pace.backoff, min(MAX_BACKOFF, 2 * pace.backoff)
         return run

@@ -126,10 +126,10 @@ def test_the_proposal_length_adapts_and_turns_off_with_backoff():
     assert len(spec._draft(req, 99)) == 3
     spec.accept(_verify_row((1, 1, 1)), full(3))          # all accepted: stays at the cap
     assert spec._paces["a"].k == 3
-    spec.accept(_verify_row((1, 2, 2)), full(3))          # one accepted: cut to 1
-    assert spec._paces["a"].k == 1 and len(spec._draft(req, 99)) == 1
+    spec.accept(_verify_row((1, 2, 2)), full(3))          # one accepted: cut to one more
+    assert spec._paces["a"].k == 2 and len(spec._draft(req, 99)) == 2
     spec.accept(_verify_row((1, 1)), full(2))             # all: +1
-    assert spec._paces["a"].k == 2
+    assert spec._paces["a"].k == 3
     spec.accept(_verify_row((2, 2)), full(2))             # none: off, sits out one step
     assert spec._draft(req, 99) == () and len(spec._draft(req, 99)) == 1
     spec.accept(_verify_row((2,)), full(1))               # none again: sits out two steps

@@ -100,12 +100,15 @@ def test_a_cached_prefix_is_read_by_the_draft_once(target):
     assert read[0] <= len(PROMPTS[2]) - fresh.start_pos + 16 and _rates(on)[1] > accepted
 
 
-def test_a_row_stops_proposing_at_the_first_token_the_draft_is_unsure_of(target):
+def test_a_rows_proposals_end_with_the_first_token_the_draft_is_unsure_of(target):
     unsure = _llm(target, draft_model=target, p_min=1.01)      # no token is that likely
     plans = record_plans(unsure.engine)
     assert _ids(unsure.generate(PROMPTS[:1], GREEDY)) == _ids(_llm(target).generate(PROMPTS[:1], GREEDY))
-    assert any(r.draft_k for p, _ in plans for r in p.rows) and _rates(unsure) == (0, 0)
-    assert all(not o.proposals and not o.verify for _, res in plans for o in res.rows)
+    asked = [(r.draft_k, len(o.proposals)) for p, res in plans for r, o in zip(p.rows, res.rows) if r.draft_k]
+    assert max(k for k, _ in asked) > 1                        # rows asked for more than one
+    assert {n for _, n in asked} <= {0, 1} and sum(n for _, n in asked) > 20    # that one is proposed
+    proposed, accepted = _rates(unsure)
+    assert proposed > 20 and accepted >= 0.9 * proposed
 
 
 def test_an_unrelated_draft_is_rejected_and_changes_no_greedy_output(target, stranger):
