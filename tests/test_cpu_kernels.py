@@ -13,6 +13,7 @@ from ops.dense_linear import SMALL_ROWS
 from ops.paged_attention import reference_paged_attention
 from ops.rms_norm import reference_add_rms_norm, reference_rms_norm
 from ops.rotary import reference_rotary, rope_cos_sin, torch_rotary
+from ops.silu_and_mul import torch_silu_and_mul
 from ops.write_kv import reference_write_kv
 
 pagedserve = torch.ops.pagedserve
@@ -202,6 +203,26 @@ def test_norm_kernels_match_reference_on_many_and_strided_rows(dtype):
     want_normed, want_summed = reference_add_rms_norm(x, residual, w, 1e-6)
     assert torch.equal(summed, want_summed)
     torch.testing.assert_close(normed, want_normed, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_rounds_where_the_torch_body_does(dtype):
+    """Rows of 4,867 values (vectors, then a tail of lanes the scalar code takes) and 9 rows (several
+    threads' shares), from a strided view, with values where exp over- or underflows, zeros and a NaN. The
+    exp differs from torch's in the last bits of fp32, which a bf16 result rounds away but for a few ties."""
+    g = torch.Generator().manual_seed(12)
+    fused = (torch.randn(9, 3 * 4867, generator=g) * 6).to(dtype)
+    x = fused[:, :2 * 4867]                             # not contiguous
+    x[0, :5] = torch.tensor([100.0, -100.0, 0.0, -0.0, 89.0])
+    x[1, 7] = float("nan")
+    out, want = pagedserve.silu_and_mul(x), torch_silu_and_mul(x)
+    assert out.shape == want.shape == (9, 4867) and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=0, equal_nan=True)
+        return
+    same = (out == want) | (out.isnan() & want.isnan())
+    assert float(same.float().mean()) > 0.995
+    torch.testing.assert_close(out[~same].float(), want[~same].float(), rtol=2 ** -7, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

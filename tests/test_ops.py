@@ -176,7 +176,9 @@ def test_rotary_matches_reference(dtype, head_dim, rotary_dim):
 def test_silu_and_mul(dtype):
     x = torch.randn(6, 2 * 24, generator=_gen(7)).to(dtype)
     got = pagedserve.silu_and_mul(x)
-    assert torch.equal(got, F.silu(x[:, :24]) * x[:, 24:])   # gate first, then up, like HF's MLP
+    # gate first, then up, like HF's MLP (the C++ kernel's exp differs from torch's in fp32's last bits)
+    torch.testing.assert_close(got, F.silu(x[:, :24]) * x[:, 24:], rtol=1e-6 if dtype == torch.float32 else 2 ** -7,
+                               atol=0)
     torch.testing.assert_close(got, reference_silu_and_mul(x), **TOL[dtype])
 
 

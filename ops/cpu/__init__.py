@@ -6,9 +6,9 @@ logged and the torch bodies stay registered. PAGEDSERVE_CPU_KERNELS=0 skips the 
 
 Ops with a kernel: paged_attention (decode and verify rows, and prefill rows on AVX-512 CPUs; K/V stored in
 fp32, bf16 or fp16, or q8_0 / q4_0 rows dequantized in registers; other prefill rows keep torch's SDPA),
-write_kv (converting to the cache's dtype or quantizing), rotary, quant_linear, rms_norm and add_rms_norm
-(these round where transformers does; only the order of the sum of squares differs, so outputs may differ
-from the torch body by an ulp or two). silu_and_mul stays in torch: its exp is torch's own.
+write_kv (converting to the cache's dtype or quantizing), rotary, quant_linear, rms_norm, add_rms_norm and
+silu_and_mul (these round where transformers does; only the order of the sum of squares, or the exp, differs,
+so fp32 outputs may differ from the torch body by an ulp or two).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from ops.dense_linear import SMALL_ROWS, torch_dense_linear
 from ops.quant_linear import reference_quant_linear
 from ops.rms_norm import torch_add_rms_norm, torch_rms_norm
 from ops.rotary import torch_rotary
+from ops.silu_and_mul import torch_silu_and_mul
 from ops.write_kv import KV_CACHE_DTYPES, torch_write_kv
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,12 @@ def cpp_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) ->
     return _lib.add_rms_norm(x.contiguous(), residual.contiguous(), weight.contiguous(), eps)
 
 
+def cpp_silu_and_mul(x: Tensor) -> Tensor:
+    if x.dtype not in KERNEL_DTYPES:
+        return torch_silu_and_mul(x)
+    return _lib.silu_and_mul(x.contiguous())
+
+
 def cpp_quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supers: Tensor | None,
                      bits: int, out_features: int) -> Tensor:
     return _lib.quant_linear(x.contiguous(), qweight, scales, mins, supers, bits, out_features)
@@ -110,11 +117,11 @@ def cpp_dense_linear(x: Tensor, weight: Tensor) -> Tensor:
 CPP_BODIES: dict[str, Callable] = {"paged_attention": cpp_paged_attention, "write_kv": cpp_write_kv,
                                    "rotary": cpp_rotary, "quant_linear": cpp_quant_linear,
                                    "rms_norm": cpp_rms_norm, "add_rms_norm": cpp_add_rms_norm,
-                                   "dense_linear": cpp_dense_linear}
+                                   "silu_and_mul": cpp_silu_and_mul, "dense_linear": cpp_dense_linear}
 TORCH_BODIES: dict[str, Callable] = {"paged_attention": torch_paged_attention, "write_kv": torch_write_kv,
                                      "rotary": torch_rotary, "quant_linear": reference_quant_linear,
                                      "rms_norm": torch_rms_norm, "add_rms_norm": torch_add_rms_norm,
-                                     "dense_linear": torch_dense_linear}
+                                     "silu_and_mul": torch_silu_and_mul, "dense_linear": torch_dense_linear}
 
 
 def kernels_available() -> bool:

@@ -70,7 +70,10 @@ struct Scalar {
   PAGEDSERVE_INLINE static void store(float* p, V v) { *p = v; }
   PAGEDSERVE_INLINE static V add(V a, V b) { return a + b; }
   PAGEDSERVE_INLINE static V mul(V a, V b) { return a * b; }
+  PAGEDSERVE_INLINE static V div(V a, V b) { return a / b; }
   PAGEDSERVE_INLINE static V fmadd(V a, V b, V c) { return std::fma(a, b, c); }
+  PAGEDSERVE_INLINE static V min(V a, V b) { return a < b ? a : b; }
+  PAGEDSERVE_INLINE static V where_negative(V x, V neg, V other) { return x < 0.f ? neg : other; }
   PAGEDSERVE_INLINE static V max(V a, V b) { return a > b ? a : b; }
   PAGEDSERVE_INLINE static V round(V x) { return std::nearbyint(x); }
   PAGEDSERVE_INLINE static V pow2(V n) {   // n < -126 only where zero_below then discards the result
@@ -112,7 +115,12 @@ struct Avx2 {
   PAGEDSERVE_INLINE static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   PAGEDSERVE_INLINE static V add(V a, V b) { return _mm256_add_ps(a, b); }
   PAGEDSERVE_INLINE static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  PAGEDSERVE_INLINE static V div(V a, V b) { return _mm256_div_ps(a, b); }
   PAGEDSERVE_INLINE static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  PAGEDSERVE_INLINE static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  PAGEDSERVE_INLINE static V where_negative(V x, V neg, V other) {
+    return _mm256_blendv_ps(other, neg, _mm256_cmp_ps(x, zero(), _CMP_LT_OQ));
+  }
   PAGEDSERVE_INLINE static V max(V a, V b) { return _mm256_max_ps(a, b); }
   PAGEDSERVE_INLINE static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   PAGEDSERVE_INLINE static V pow2(V n) {
@@ -172,7 +180,12 @@ struct Avx512 {
   PAGEDSERVE_INLINE static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   PAGEDSERVE_INLINE static V add(V a, V b) { return _mm512_add_ps(a, b); }
   PAGEDSERVE_INLINE static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  PAGEDSERVE_INLINE static V div(V a, V b) { return _mm512_div_ps(a, b); }
   PAGEDSERVE_INLINE static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  PAGEDSERVE_INLINE static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  PAGEDSERVE_INLINE static V where_negative(V x, V neg, V other) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, zero(), _CMP_LT_OQ), other, neg);
+  }
   PAGEDSERVE_INLINE static V max(V a, V b) { return _mm512_max_ps(a, b); }
   PAGEDSERVE_INLINE static V round(V x) {
     return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
