@@ -21,10 +21,10 @@ T = ceil(N / 8) tiles, G = K / 32 groups:
           nibble. One shift and mask then puts them above a nibble.
 Padding rows have q = 0, scale = 0, min = 0.
 
-Two-level scales (the form of llama.cpp's K-quants), for K a multiple of 256: scales and mins are
-uint8 [T, G, 8] sub-values and `supers` float32 [T, G/8, S, 8] multiplies them per 8 groups (256
-values): scale = supers[t, g // 8, 0] * scales[t, g], min = supers[t, g // 8, 1] * mins[t, g] (S = 2
-with mins, else 1), each product rounded to fp32 once (exact for a GGUF file's fp16 supers). An int4
+Two-level scales (the form of llama.cpp's K-quants): scales and mins are uint8 [T, G, 8] sub-values and
+`supers` float32 [T, ceil(G/8), S, 8] multiplies them per 8 groups (256 values; where K is no multiple
+of 256 the last one covers the groups left): scale = supers[t, g // 8, 0] * scales[t, g],
+min = supers[t, g // 8, 1] * mins[t, g] (S = 2 with mins, else 1), each product rounded to fp32 once (exact for a GGUF file's fp16 supers). An int4
 tile-group then takes 152 bytes instead of 192: 15 % less memory for the default model, though no
 faster on an AVX2 CPU, where the kernel is close to compute-bound at one row.
 
@@ -49,7 +49,6 @@ GROUP_BYTES = {4: ROW_TILE * GROUP // 2, 6: ROW_TILE * GROUP * 6 // 8, 8: ROW_TI
 Q_DTYPE = {4: torch.uint8, 6: torch.uint8, 8: torch.int8}
 _Q_RANGE = {4: (0, 15), 6: (0, 63), 8: (-128, 127)}
 SUPER = 8                   # groups sharing one super value in two-level scales (256 values, QK_K)
-# (a K that is no multiple of 256 leaves its last super value fewer groups: 896 = 3.5 x 256)
 HALF = GROUP // 2           # values per int6 sub-scale
 INT6_OFFSET = 32            # an int6 q stands for q - 32
 

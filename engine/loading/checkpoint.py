@@ -103,10 +103,11 @@ class Checkpoint:
                    self._read(mins, groups) if self.has(mins) else None]
         if not two_level:
             factors = [None if t is None else t.float() for t in factors]
+        supers_shape = (shape[0], supers_per_row(groups[1]), 1 + self.has(mins))
         try:
             return QuantizedWeight.from_groups(
                 picked(q), picked(factors[0]), picked(factors[1]), bits,
-                picked(self._read(supers, (shape[0], supers_per_row(groups[1]), 1 + self.has(mins))) if two_level else None))
+                picked(self._read(supers, supers_shape)) if two_level else None)
         except QuantError as e:
             raise CheckpointError(f"{self._locate(values)[0]}: weight {name!r}: {e}") from None
 
