@@ -10,9 +10,9 @@ cost nothing more than without a draft. A block whose every position the draft r
 for it until the block is handed out again, so a prompt cached with the draft's K/V is not reread.
 A step reads at most `read_per_step` backlog tokens; a row still catching up gets no proposals.
 Then the draft proposes greedily, one token per row and forward, while it is sure (`p_min`): the
-first token it is unsure of ends the row's proposals, and is proposed too. A
-greedy proposal keeps the verification exact for random draws too: the rule for a point-mass
-proposal (engine/speculation.py) holds whatever chose the point.
+first token it is unsure of ends the row's proposals, and is proposed too. A greedy proposal keeps
+the verification exact for random draws too: the rule for a point-mass proposal
+(engine/speculation.py) holds whatever chose the point.
 
 A hybrid draft keeps its recurrent state in a state pool of its own: a slot per row of the
 runner's persistent batch (a fresh row resets it and reads from position 0), then as many scratch

@@ -1,5 +1,5 @@
 // pagedserve::silu_and_mul on CPUs: silu(gate) * up in one pass over a fused gate/up row, where the torch
-// body runs two kernels and allocates between them (~13 us for 8,960 bf16 values a call, 28 calls a step).
+// body runs two kernels and allocates between them (28 calls a decode step of the default model).
 // Rounds where torch does: silu in fp32 rounded to the input dtype, then the product rounded. silu(x) =
 // x * sigmoid(x), sigmoid from e = exp(-|x|) (never overflows): 1 / (1 + e) for x >= 0, e / (1 + e) below,
 // with simd.h's exp (a few ulp; torch's own differs in the last bits, so fp32 outputs may too).
@@ -22,8 +22,6 @@ namespace simd = pagedserve_cpu::simd;
 using Wide = simd::Avx512;
 #elif defined(PAGEDSERVE_AVX2)
 using Wide = simd::Avx2;
-#else
-using Wide = simd::Scalar;
 #endif
 
 // bf16 storage as fp32, and fp32 rounded to bf16 (nearest-even, NaN as 0x7FC0, as bf16.h's from_float): the
@@ -78,7 +76,6 @@ inline float scalar_silu_and_mul(T g, T up) {
 
 template <typename T>
 void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t half) {
-  constexpr int W = Wide::W;
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = x + r * 2 * half;
@@ -86,7 +83,7 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t half) {
       T* dst = out + r * half;
       int64_t j = 0;
 #if defined(PAGEDSERVE_AVX2)
-      for (; j + W <= half; j += W) {
+      for (; j + Wide::W <= half; j += Wide::W) {
         if constexpr (std::is_same_v<T, float>) {
           Wide::store(dst + j, Wide::mul(silu<Wide>(Wide::load(g + j)), Wide::load(up + j)));
         } else {
