@@ -25,15 +25,13 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     return xq.view(x.shape), dx
 
 
-def _check(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supers: Tensor | None, bits: int,
-           out_features: int) -> None:
-    op = "quant_linear"
+def check_weight(op: str, qweight: Tensor, scales: Tensor, mins: Tensor | None, supers: Tensor | None, bits: int,
+                 out_features: int) -> None:
+    """A QuantizedWeight's tensors as an op takes them (quant_linear, quant_rows)."""
     bits = int(bits)    # dynamo may trace a weight's int attributes as SymInts; a dict key must be an int
     require(bits in Q_DTYPE, op, f"bits={bits}: allowed are 4, 6 and 8")
     require(bits != 6 or (supers is not None and mins is None), op,
             "bits=6 needs supers and takes no mins (build it with QuantizedWeight)")
-    require(x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16), op,
-            f"x must be 2-D [M, K] float32 or bfloat16, got {x.dtype} {tuple(x.shape)}")
     require(qweight.dim() == 3 and qweight.dtype == Q_DTYPE[bits] and qweight.shape[2] == GROUP_BYTES[bits]
             and qweight.is_contiguous(), op,
             f"qweight must be a contiguous {Q_DTYPE[bits]} [tiles, K/{GROUP}, {GROUP_BYTES[bits]}] tensor for "
@@ -51,10 +49,19 @@ def _check(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supe
                 and (bits != 6 or groups % SUPER == 0), op,
                 f"supers must be contiguous float32 {list(shape)} (one per {GROUP * SUPER} values; int6: K a "
                 f"multiple of {GROUP * SUPER}), got {supers.dtype} {tuple(supers.shape)}")
-    require(x.shape[1] == groups * GROUP, op,
-            f"x has K={x.shape[1]} features, the weight has {groups * GROUP} ({groups} groups of {GROUP})")
     require((tiles - 1) * ROW_TILE < out_features <= tiles * ROW_TILE, op,
             f"out_features={out_features} does not fit {tiles} tiles of {ROW_TILE} rows")
+
+
+def _check(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supers: Tensor | None, bits: int,
+           out_features: int) -> None:
+    op = "quant_linear"
+    check_weight(op, qweight, scales, mins, supers, bits, out_features)
+    require(x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16), op,
+            f"x must be 2-D [M, K] float32 or bfloat16, got {x.dtype} {tuple(x.shape)}")
+    groups = qweight.shape[1]
+    require(x.shape[1] == groups * GROUP, op,
+            f"x has K={x.shape[1]} features, the weight has {groups * GROUP} ({groups} groups of {GROUP})")
     require(x.device == qweight.device, op, f"x is on {x.device}, the weight on {qweight.device}")
 
 

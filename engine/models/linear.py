@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ops import direct
 from ops.quant_linear import quant_linear
+from ops.quant_rows import quant_rows
 from ops.quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 
 MODES = ("auto", "none", "int8", "int4")
@@ -50,7 +51,7 @@ def embedding(ids: torch.Tensor, table, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of an embedding table: dense in `dtype`, or kept quantized (only the looked-up rows are
     dequantized, to the values a dense table in `dtype` would hold)."""
     if isinstance(table, QuantizedWeight):
-        return table.rows(ids.flatten(), dtype).view(*ids.shape, table.in_features)
+        return quant_rows(table, ids, dtype)
     return F.embedding(ids, table)
 
 

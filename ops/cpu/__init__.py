@@ -6,8 +6,8 @@ logged and the torch bodies stay registered. PAGEDSERVE_CPU_KERNELS=0 skips the 
 
 Ops with a kernel: paged_attention (decode and verify rows, and prefill rows on AVX-512 CPUs; K/V stored in
 fp32, bf16 or fp16, or q8_0 / q4_0 rows dequantized in registers; other prefill rows keep torch's SDPA),
-write_kv (converting to the cache's dtype or quantizing), rotary, quant_linear, rms_norm, add_rms_norm and
-silu_and_mul (these round where transformers does; only the order of the sum of squares, or the exp, differs,
+write_kv (converting to the cache's dtype or quantizing), rotary, quant_linear, quant_rows, rms_norm,
+add_rms_norm and silu_and_mul (these round where transformers does; only the order of the sum of squares, or the exp, differs,
 so fp32 outputs may differ from the torch body by an ulp or two).
 """
 from __future__ import annotations
@@ -20,11 +20,12 @@ import torch
 from torch import Tensor
 
 from ops import kv_quant
-from ops._registry import register, require
+from ops._registry import OpInputError, register, require
 from ops.cpu import build
 from ops.paged_attention import _check_lengths, _prefill_row, torch_paged_attention
 from ops.dense_linear import SMALL_ROWS, torch_dense_linear
 from ops.quant_linear import reference_quant_linear
+from ops.quant_rows import reference_quant_rows
 from ops.rms_norm import torch_add_rms_norm, torch_rms_norm
 from ops.rotary import torch_rotary
 from ops.silu_and_mul import torch_silu_and_mul
@@ -107,6 +108,18 @@ def cpp_quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | 
     return _lib.quant_linear(x.contiguous(), qweight, scales, mins, supers, bits, out_features)
 
 
+def cpp_quant_rows(ids: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supers: Tensor | None,
+                   bits: int, out_features: int, dtype: torch.dtype) -> Tensor:
+    if dtype not in KERNEL_DTYPES:
+        return reference_quant_rows(ids, qweight, scales, mins, supers, bits, out_features, dtype)
+    out, bad = _lib.quant_rows(ids.contiguous(), qweight, scales, mins, supers, bits, out_features,
+                               dtype == torch.bfloat16)
+    if bad >= 0:
+        raise OpInputError(f"pagedserve::quant_rows: ids must lie in [0, {out_features}) (the weight's rows), "
+                           f"got {int(ids[bad])}")
+    return out
+
+
 def cpp_dense_linear(x: Tensor, weight: Tensor) -> Tensor:
     if (x.shape[0] > SMALL_ROWS or x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype
             or not weight.is_contiguous()):
@@ -115,11 +128,12 @@ def cpp_dense_linear(x: Tensor, weight: Tensor) -> Tensor:
 
 
 CPP_BODIES: dict[str, Callable] = {"paged_attention": cpp_paged_attention, "write_kv": cpp_write_kv,
-                                   "rotary": cpp_rotary, "quant_linear": cpp_quant_linear,
+                                   "rotary": cpp_rotary, "quant_linear": cpp_quant_linear, "quant_rows": cpp_quant_rows,
                                    "rms_norm": cpp_rms_norm, "add_rms_norm": cpp_add_rms_norm,
                                    "silu_and_mul": cpp_silu_and_mul, "dense_linear": cpp_dense_linear}
 TORCH_BODIES: dict[str, Callable] = {"paged_attention": torch_paged_attention, "write_kv": torch_write_kv,
                                      "rotary": torch_rotary, "quant_linear": reference_quant_linear,
+                                     "quant_rows": reference_quant_rows,
                                      "rms_norm": torch_rms_norm, "add_rms_norm": torch_add_rms_norm,
                                      "silu_and_mul": torch_silu_and_mul, "dense_linear": torch_dense_linear}
 
