@@ -24,9 +24,10 @@ Padding rows have q = 0, scale = 0, min = 0.
 Two-level scales (the form of llama.cpp's K-quants): scales and mins are uint8 [T, G, 8] sub-values and
 `supers` float32 [T, ceil(G/8), S, 8] multiplies them per 8 groups (256 values; where K is no multiple
 of 256 the last one covers the groups left): scale = supers[t, g // 8, 0] * scales[t, g],
-min = supers[t, g // 8, 1] * mins[t, g] (S = 2 with mins, else 1), each product rounded to fp32 once (exact for a GGUF file's fp16 supers). An int4
-tile-group then takes 152 bytes instead of 192: 15 % less memory for the default model, though no
-faster on an AVX2 CPU, where the kernel is close to compute-bound at one row.
+min = supers[t, g // 8, 1] * mins[t, g] (S = 2 with mins, else 1), each product rounded to fp32 once
+(exact for a GGUF file's fp16 supers). An int4 tile-group then takes 152 bytes instead of 192: 15 % less
+memory for the default model, though no faster on an AVX2 CPU, where the kernel is close to compute-bound
+at one row.
 
 int6 scales are always two-level: `scales` int8 [T, G, 8, 2] holds each row's sub-scales of the group's
 two 16-value halves, `supers` float32 [T, G/8, 1, 8] the d per 256 values, mins are absent, and

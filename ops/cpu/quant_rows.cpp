@@ -41,7 +41,8 @@ void dequantize_rows(const int64_t* ids, int64_t n, const uint8_t* w, const void
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* group = w + (t * groups + g) * group_bytes;
         const int64_t f = (t * groups + g) * kTile + r;       // the row's factor in [T, G, 8]
-        const float* super = supers == nullptr ? nullptr : supers + ((t * blocks + g / kSuper) * super_count) * kTile + r;
+        const float* super =
+            supers == nullptr ? nullptr : supers + ((t * blocks + g / kSuper) * super_count) * kTile + r;
         if (bits == 6) {
           const int8_t* subs = static_cast<const int8_t*>(scales) + f * 2;
           for (int64_t k = 0; k < kGroup; ++k) {
