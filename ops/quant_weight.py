@@ -117,6 +117,11 @@ def supers_per_row(groups: int) -> int:
     return -(-groups // SUPER)
 
 
+def _per_group(supers: Tensor, groups: int) -> Tensor:
+    """Supers [X, ceil(G/8), ...] -> each group's own [X, G, ...]."""
+    return supers.repeat_interleave(SUPER, dim=1)[:, :groups]
+
+
 def _tile_supers(supers: Tensor) -> Tensor:
     """[Np, G/8, S] -> [T, G/8, S, 8] (G/8 rounded up, as everywhere below)."""
     n, g8, s = supers.shape
@@ -206,7 +211,7 @@ class QuantizedWeight:
             raise QuantError(f"int6 has a scale per {HALF} values: it has no form with one per {GROUP}")
         if self.supers is None:
             return self
-        per_group = self.supers.repeat_interleave(SUPER, dim=1)[:, :self.in_features // GROUP]     # [T, G, S, 8]
+        per_group = _per_group(self.supers, self.in_features // GROUP)          # [T, G, S, 8]
         mins = None if self.mins is None else (per_group[:, :, 1] * self.mins.float()).contiguous()
         return replace(self, scales=(per_group[:, :, 0] * self.scales.float()).contiguous(), mins=mins, supers=None)
 
@@ -316,7 +321,7 @@ def _two_level(values: Tensor) -> tuple[Tensor, Tensor]:
 
 def _expand(subs: Tensor, supers: Tensor) -> Tensor:
     """The fp32 factors two-level (subs, supers) stand for, [N, G] (as QuantizedWeight multiplies them)."""
-    return supers.repeat_interleave(SUPER, dim=1)[:, :subs.shape[1]] * subs.float()
+    return _per_group(supers, subs.shape[1]) * subs.float()
 
 
 def quantize_int8(w: Tensor, group_size: int = GROUP) -> QuantizedWeight:
