@@ -7,12 +7,14 @@ allocated as the engine's pool allocates them, with shuffled block tables (a poo
 probes: bench/roofline.py's (a 256 MiB copy and sum, at the start) and a sum over the same K/V bytes,
 timed between the kernel calls. With `--baseline REV` the C++ kernel of that git revision is built into a
 scratch extension and timed alternately with this checkout's, call by call, each call on a layer the
-previous calls did not read. The machines are shared:
-compare kernels within one run, and rerun when the probe reads low.
+previous calls did not read. `--hot` keeps one layer instead (16 calls a round), so a context whose K/V fit
+the caches times the kernel's arithmetic without the memory: the floor below which no prefetching can bring
+it. The machines are shared: compare kernels within one run, and rerun when the probe reads low.
 
     .venv/bin/python bench/attention_bandwidth.py --baseline HEAD
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes float32 --kv-dtypes bfloat16 float16
     .venv/bin/python bench/attention_bandwidth.py --rows 1 32 --kv-dtypes bfloat16 q8_0 q4_0
+    .venv/bin/python bench/attention_bandwidth.py --rows 1 --contexts 2048 --kv-dtypes q8_0 --hot
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4, help="passes over a case's layers per kernel")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--baseline", default="", help="a git revision whose paged_attention.cpp runs alternately")
+    p.add_argument("--hot", action="store_true",
+                   help="one layer, read again by every call: with K/V in cache, what the kernel's arithmetic costs")
     return p.parse_args(argv)
 
 
@@ -83,9 +87,9 @@ def random_rows(dims: tuple[int, ...], fmt: str, g: torch.Generator) -> torch.Te
 
 
 def make_case(rows: int, context: int, q_dtype: torch.dtype, kv_dtype: torch.dtype | str, seed: int = 0,
-              q_heads: int = Q_HEADS):
+              q_heads: int = Q_HEADS, hot: bool = False):
     """Per layer: q [rows, Hq, D] and shuffled-table caches; one decode token per row. `kv_dtype` is a
-    storage dtype or a quantized format's name."""
+    storage dtype or a quantized format's name. `hot`: a single layer."""
     from engine.kv.pool import KVShape, lazy_zeros
 
     g = torch.Generator().manual_seed(seed)
@@ -94,7 +98,7 @@ def make_case(rows: int, context: int, q_dtype: torch.dtype, kv_dtype: torch.dty
     dims = (rows * per_row, BLOCK, *shape.slot_dims)
     layer_bytes = rows * per_row * shape.bytes_per_block
     cases = []
-    for _ in range(max(4, -(-COLD_BYTES // layer_bytes))):
+    for _ in range(1 if hot else max(4, -(-COLD_BYTES // layer_bytes))):
         k, v = (lazy_zeros(dims, shape.storage_dtype, torch.device("cpu")) for _ in range(2))
         for cache in (k, v):
             cache.copy_(random_rows(dims, kv_dtype, g) if isinstance(kv_dtype, str) else torch.randn(dims, generator=g))
@@ -149,10 +153,9 @@ def main(argv: list[str]) -> None:
                     for kv_name in args.kv_dtypes:
                         q_dtype = getattr(torch, q_name)
                         kv_dtype = kv_name if kv_name in ("q8_0", "q4_0") else getattr(torch, kv_name)
-                        cases, nbytes = make_case(rows, context, q_dtype, kv_dtype, q_heads=args.q_heads)
-                        # the old kernel reads the cache in q's dtype
-                        runnable = {n: f for n, f in kernels.items() if n == "new" or q_dtype == kv_dtype}
-                        times = measure(runnable, cases, args.rounds)
+                        cases, nbytes = make_case(rows, context, q_dtype, kv_dtype, q_heads=args.q_heads,
+                                                  hot=args.hot)
+                        times = measure(kernels, cases, args.rounds * (16 if args.hot else 1))
                         probe = statistics.median(times["read probe"])
                         for name, ts in times.items():
                             s = statistics.median(ts)
