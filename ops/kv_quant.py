@@ -109,12 +109,9 @@ def dequantize_kv(k_rows: Tensor, v_rows: Tensor, fmt: str, dtype: torch.dtype) 
 
 def int8_queries(q: Tensor) -> Tensor:
     """What the C++ kernel's integer dot products score with on CPUs with AVX-512 VNNI
-    (ops/cpu/attention_int8.h): q rounded to fp32, rotated, each 32-value block in steps d = amax / 127 as
-    hi + lo / 256 (hi = round(x / d), lo the remainder rounded to 1/256 steps and clamped to +-127, both
-    half to even), rotated back; fp32 [..., D]. Pair it with K rotated back."""
+    (ops/cpu/attention_int8.h): q rounded to fp32, rotated, each 32-value block in steps d = amax / 127
+    (round(x / d), half to even: a q8_0 block with an fp32 scale), rotated back; fp32 [..., D]. Pair it
+    with K rotated back."""
     blocks = rotate(q.float()).reshape(*q.shape[:-1], q.shape[-1] // BLOCK, BLOCK)
     d = blocks.abs().amax(-1, keepdim=True) / 127
-    y = blocks * torch.where(d == 0, 0.0, 1 / d)
-    hi = y.round()
-    lo = ((y - hi) * 256).round().clamp(-127, 127)
-    return rotate(((hi + lo / 256) * d).reshape(q.shape))
+    return rotate(((blocks * torch.where(d == 0, 0.0, 1 / d)).round() * d).reshape(q.shape))

@@ -26,7 +26,7 @@ QUANT_BF16_TOL = dict(atol=4e-2, rtol=2e-2)
 
 
 # The C++ decode kernel on CPUs with AVX-512 VNNI scores quantized caches with integer dot products
-# (ops/cpu/attention_int8.h; the extension is built for this CPU): queries in two int8 parts
+# (ops/cpu/attention_int8.h; the extension is built for this CPU): queries quantized like q8_0 keys
 # (kv_quant.int8_queries), values weighed in int16 steps of a chunk's largest block scale / 32767. Outputs
 # are within ~1e-4 of the float64 attention of those queries (measured up to 3e-4 on outputs of size ~3).
 _FLAGS = open("/proc/cpuinfo").read().split()
@@ -50,13 +50,14 @@ def int8_served(kv_dtype, lanes: int = 0, head_dim: int = 64) -> bool:
 
 
 def op_reference(q, k_cache, v_cache, qsl, ctx, tables, scale, int8: bool):
-    """reference_paged_attention, its decode rows from the integer kernel's queries where `int8` (the op's
-    prefill rows go through SDPA on q)."""
+    """reference_paged_attention, from the integer kernel's queries where `int8` for the rows the C++
+    kernel serves (up to ops.cpu.KERNEL_ROW_TOKENS new tokens; longer ones go through SDPA on q)."""
     want = reference_paged_attention(q, k_cache, v_cache, qsl, ctx, tables, scale)
     if int8:
-        decode = [int(qsl[i]) for i in range(len(ctx)) if qsl[i + 1] - qsl[i] == 1]
-        want[decode] = reference_paged_attention(kv_quant.int8_queries(q).to(q.dtype), k_cache, v_cache, qsl, ctx,
-                                                 tables, scale)[decode]
+        served = [t for i in range(len(ctx)) if qsl[i + 1] - qsl[i] <= ops.cpu.KERNEL_ROW_TOKENS
+                  for t in range(int(qsl[i]), int(qsl[i + 1]))]
+        want[served] = reference_paged_attention(kv_quant.int8_queries(q).to(q.dtype), k_cache, v_cache, qsl, ctx,
+                                                 tables, scale)[served]
     return want
 
 

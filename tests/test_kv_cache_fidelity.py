@@ -83,9 +83,10 @@ def test_16_bit_kv_greedy_tokens_mostly_equal_fp32_kv(tiny_checkpoint, record_pr
         assert same >= 0.75 and prefix >= 0.85, name
 
 
-# Bounds a little above the max abs logit error measured over the 16 prompts' steps; q4_0's rounding step is
-# about 16x q8_0's (amax / 8 against amax / 127), and so is its bound.
-QUANT_LOGIT_BOUND = {"q8_0": 0.1, "q4_0": 1.5}
+# Bounds a little above the max abs logit error measured over the 16 prompts' steps (q8_0: 0.113 where the
+# integer kernel rounds queries to int8 as it does on AVX-512 VNNI CPUs, 0.077 with 16-bit queries); q4_0's
+# rounding step is about 16x q8_0's (amax / 8 against amax / 127), and so is its bound.
+QUANT_LOGIT_BOUND = {"q8_0": 0.13, "q4_0": 1.5}
 
 
 @pytest.mark.usefixtures("cpp_kernels")

@@ -2,8 +2,8 @@
 // run_int8 calls it in place of attention_tile.h's fp32 tiles, whose widening of every value to fp32 and
 // FMA per value kept the FMA ports, not memory, the limit). Integer dot products instead:
 //  - scores: VPDPBUSD, 64 byte products per instruction, of the stored keys' bytes with the (rotated)
-//    query in two int8 parts (a 16-bit query, see Queries). The 16 keys of a tile are transposed in
-//    registers so each 32-bit lane holds one key: scores come out one key per lane, with no horizontal sums.
+//    query quantized like a q8_0 key (see Queries). The 16 keys of a tile are transposed in registers so
+//    each 32-bit lane holds one key: scores come out one key per lane, with no horizontal sums.
 //  - values: VPDPWSSD, two keys' int16 products per lane, with the softmax weight times the value block's
 //    scale rounded to int16 steps of the chunk's largest block scale / 32767 (weights are at most 1).
 // A chunk of 64 positions takes one softmax update and one pass over its values, so the per-update work
@@ -35,16 +35,16 @@ constexpr int kMaxGroup = 8;     // query heads per pass over a chunk; larger GQ
 constexpr int64_t kMaxBlocks = 8;   // 32-value blocks per head (head_dim <= 256; larger ones take the fp32 set)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// A row's queries as the tile reads them: per query head, its (rotated) values in two int8 parts, and per
-// 32-value block the scale that turns the integer dot products into a score (query scale / 256 times the
-// softmax scale) and the integers the stored keys' offset adds (q8_0 keys are read as k + 128, q4_0
-// nibbles as k + 8). A value is d * (hi + lo / 256) with hi = round(x / d), d = amax / 127, and lo the
-// rounded remainder in 1/256 steps: a 16-bit query for two byte products (one int8 part alone
-// measurably coarsened q8_0 logits next to the keys' own rounding).
+// A row's queries as the tile reads them: per query head, its (rotated) values as int8, round(x / d) with
+// d = amax / 127 per 32-value block (as llama.cpp scores q8_0 keys), and per block the scale that turns
+// the integer dot products into a score (d times the softmax scale) and the integer the stored keys' offset
+// adds (q8_0 keys are read as k + 128, q4_0 nibbles as k + 8). A 16-bit query (a second int8 part for the
+// remainder) doubled the scores' dot products and left the default model's perplexity with q8_0 K/V as
+// it was.
 struct Queries {
-  std::vector<int8_t> hi, lo;                // [heads, dim]
-  std::vector<float> scale;                  // [heads, dim / 32]
-  std::vector<int32_t> offset_hi, offset_lo; // [heads, dim / 32]: -(key offset) * sum of the block's part
+  std::vector<int8_t> values;    // [heads, dim]
+  std::vector<float> scale;      // [heads, dim / 32]
+  std::vector<int32_t> offset;   // [heads, dim / 32]: -(key offset) * the sum of the block's values
 };
 
 // acc + the dot products of VPDPBUSD (u: unsigned bytes, v: signed) and VPDPWSSD (int16 pairs), written in
@@ -66,28 +66,22 @@ constexpr int32_t kKeyOffset = std::is_same_v<C, kv_quant::Q8_0> ? 128 : 8;
 template <class C>
 void quantize_queries(const float* x, int64_t heads, int64_t dim, float softmax_scale, Queries& out) {
   const int64_t blocks = dim / kBlock;
-  out.hi.resize(heads * dim);
-  out.lo.resize(heads * dim);
+  out.values.resize(heads * dim);
   out.scale.resize(heads * blocks);
-  out.offset_hi.resize(heads * blocks);
-  out.offset_lo.resize(heads * blocks);
+  out.offset.resize(heads * blocks);
   for (int64_t hb = 0; hb < heads * blocks; ++hb) {
     const float* v = x + hb * kBlock;
     float amax = 0.f;
     for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
     const float d = amax / 127.f, inv = d == 0.f ? 0.f : 1.f / d;
-    int32_t sum_hi = 0, sum_lo = 0;
+    int32_t sum = 0;
     for (int i = 0; i < kBlock; ++i) {
-      const float y = v[i] * inv, hi = std::nearbyint(y);
-      const float lo = std::clamp(std::nearbyint((y - hi) * 256.f), -127.f, 127.f);
-      out.hi[hb * kBlock + i] = static_cast<int8_t>(hi);
-      out.lo[hb * kBlock + i] = static_cast<int8_t>(lo);
-      sum_hi += static_cast<int32_t>(hi);
-      sum_lo += static_cast<int32_t>(lo);
+      const float y = std::nearbyint(v[i] * inv);
+      out.values[hb * kBlock + i] = static_cast<int8_t>(y);
+      sum += static_cast<int32_t>(y);
     }
-    out.scale[hb] = d / 256.f * softmax_scale;
-    out.offset_hi[hb] = -kKeyOffset<C> * sum_hi;
-    out.offset_lo[hb] = -kKeyOffset<C> * sum_lo;
+    out.scale[hb] = d * softmax_scale;
+    out.offset[hb] = -kKeyOffset<C> * sum;
   }
 }
 
@@ -136,36 +130,34 @@ PAGEDSERVE_INLINE void transpose_block(const uint8_t* const* rows, int64_t b, __
   }
 }
 
-// The fp16 scales of block b of 16 rows (row j at origin + offsets[j]) as fp32 lanes.
+// The fp16 scales of block b of 16 rows (row j at origin + offsets[j]) as fp32 lanes, by 16 scalar loads:
+// on Zen 4 one VPGATHERDD took longer than all of them.
 PAGEDSERVE_INLINE __m512 block_scales(const uint8_t* origin, const int32_t* offsets, int64_t b, int64_t block_bytes) {
-  const __m512i words = _mm512_i32gather_epi32(_mm512_loadu_si512(offsets), origin + b * block_bytes, 1);
-  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+  alignas(32) uint16_t words[kTile];
+  const uint8_t* at = origin + b * block_bytes;
+  for (int j = 0; j < kTile; ++j) std::memcpy(&words[j], at + offsets[j], sizeof(uint16_t));
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(words)));
 }
 
 // Scores of 16 keys (rows[j], also at k_origin + offsets[j]) for G query heads into scores[g * 64 ...]: per
-// block, the keys transposed once and G chains of dot products side by side, the high parts' sums shifted
-// up by 8 bits before the low parts' are added (at most 32 * 255 * 127 * 257, within int32).
+// block, the keys transposed once and G chains of dot products side by side.
 template <class C, int G>
 PAGEDSERVE_INLINE void score_tile(const Queries& q, int64_t h, const uint8_t* const* rows, const uint8_t* k_origin,
                                   const int32_t* offsets, int64_t dim, float* scores) {
   const int64_t blocks = dim / kBlock;
   __m512 sc[G];
   for (int g = 0; g < G; ++g) sc[g] = _mm512_setzero_ps();
-  const auto part = [&](const std::vector<int8_t>& values, int g, int64_t b, int c) {
+  const auto part = [&](int g, int64_t b, int c) {    // 4 query values for the keys' bytes 4c..4c+3
     int32_t word;
-    std::memcpy(&word, values.data() + (h + g) * dim + b * kBlock + 4 * c, sizeof word);
+    std::memcpy(&word, q.values.data() + (h + g) * dim + b * kBlock + 4 * c, sizeof word);
     return _mm512_set1_epi32(word);
   };
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i t[8], dot[G];
     transpose_block<C>(rows, b, t);
-    for (int g = 0; g < G; ++g) dot[g] = _mm512_set1_epi32(q.offset_hi[(h + g) * blocks + b]);
+    for (int g = 0; g < G; ++g) dot[g] = _mm512_set1_epi32(q.offset[(h + g) * blocks + b]);
     for (int c = 0; c < 8; ++c)
-      for (int g = 0; g < G; ++g) dot[g] = dot_u8s8(dot[g], t[c], part(q.hi, g, b, c));
-    for (int g = 0; g < G; ++g)
-      dot[g] = _mm512_add_epi32(_mm512_slli_epi32(dot[g], 8), _mm512_set1_epi32(q.offset_lo[(h + g) * blocks + b]));
-    for (int c = 0; c < 8; ++c)
-      for (int g = 0; g < G; ++g) dot[g] = dot_u8s8(dot[g], t[c], part(q.lo, g, b, c));
+      for (int g = 0; g < G; ++g) dot[g] = dot_u8s8(dot[g], t[c], part(g, b, c));
     const __m512 k_scale = block_scales(k_origin, offsets, b, C::kBlockBytes);
     for (int g = 0; g < G; ++g)
       sc[g] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot[g]), k_scale),
