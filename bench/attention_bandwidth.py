@@ -9,12 +9,16 @@ timed between the kernel calls. With `--baseline REV` the C++ kernel of that git
 scratch extension and timed alternately with this checkout's, call by call, each call on a layer the
 previous calls did not read. `--hot` keeps one layer instead (16 calls a round), so a context whose K/V fit
 the caches times the kernel's arithmetic without the memory: the floor below which no prefetching can bring
-it. The machines are shared: compare kernels within one run, and rerun when the probe reads low.
+it. `--reads` adds bench/kv_reads.cpp's reads of the same bytes with no arithmetic, in the integer kernel's
+order with its prefetching ("reads:kernel") and in each block's memory order ("reads:blocks"): the most a
+kernel reading the cache in that order could reach. The machines are shared: compare kernels within one run,
+and rerun when the probe reads low.
 
     .venv/bin/python bench/attention_bandwidth.py --baseline HEAD
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes float32 --kv-dtypes bfloat16 float16
     .venv/bin/python bench/attention_bandwidth.py --rows 1 32 --kv-dtypes bfloat16 q8_0 q4_0
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --contexts 2048 --kv-dtypes q8_0 --hot
+    .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes bfloat16 --kv-dtypes q8_0 --reads
 """
 from __future__ import annotations
 
@@ -47,6 +51,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--baseline", default="", help="a git revision whose paged_attention.cpp runs alternately")
     p.add_argument("--hot", action="store_true",
                    help="one layer, read again by every call: with K/V in cache, what the kernel's arithmetic costs")
+    p.add_argument("--reads", action="store_true",
+                   help="also time the reads alone, with no arithmetic, in two orders (bench/kv_reads.cpp)")
     return p.parse_args(argv)
 
 
@@ -73,6 +79,22 @@ def build_baseline(ref: str):
                        extra_cflags=build.CFLAGS, extra_ldflags=build.LDFLAGS, build_directory=str(root),
                        is_python_module=False, verbose=False)
     return torch.ops.pagedserve_baseline.paged_attention_decode
+
+
+def build_reads() -> dict:
+    """bench/kv_reads.cpp's op, which reads what a decode call reads and computes nothing, in its two
+    orders, called like the kernels."""
+    from torch.utils import cpp_extension
+
+    from ops.cpu import build
+
+    root = Path(tempfile.gettempdir()) / "pagedserve-bench-reads"
+    root.mkdir(exist_ok=True)
+    cpp_extension.load(name="pagedserve_bench_reads", sources=[str(BENCH / "kv_reads.cpp")],
+                       extra_cflags=build.CFLAGS, extra_ldflags=build.LDFLAGS, build_directory=str(root),
+                       is_python_module=False, verbose=False)
+    op = torch.ops.pagedserve_bench.paged_reads
+    return {"reads:kernel": lambda *a: op(*a, False), "reads:blocks": lambda *a: op(*a, True)}
 
 
 def random_rows(dims: tuple[int, ...], fmt: str, g: torch.Generator) -> torch.Tensor:
@@ -142,6 +164,8 @@ def main(argv: list[str]) -> None:
     kernels = {"new": ops.cpu._lib.paged_attention_decode}     # both raw: no Python checks in the timing
     if args.baseline:
         kernels[f"old ({args.baseline})"] = build_baseline(args.baseline)
+    if args.reads:
+        kernels.update(build_reads())
     bandwidth = measure_bandwidth_gb_s()
     print(f"probe (bench/roofline.py) {bandwidth:.1f} GB/s, {args.threads} threads, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; medians, and % of the read probe of the same run")
