@@ -7,12 +7,12 @@ allocated as the engine's pool allocates them, with shuffled block tables (a poo
 probes: bench/roofline.py's (a 256 MiB copy and sum, at the start) and a sum over the same K/V bytes,
 timed between the kernel calls. With `--baseline REV` the C++ kernel of that git revision is built into a
 scratch extension and timed alternately with this checkout's, call by call, each call on a layer the
-previous calls did not read. `--hot` keeps one layer instead (16 calls a round), so a context whose K/V fit
+previous calls did not read (a revision from before quantized caches were kept in tiles gets the same
+values in its own row order). `--hot` keeps one layer instead (16 calls a round), so a context whose K/V fit
 the caches times the kernel's arithmetic without the memory: the floor below which no prefetching can bring
-it. `--reads` adds bench/kv_reads.cpp's reads of the same bytes with no arithmetic, in the integer kernel's
-order with its prefetching ("reads:kernel") and in each block's memory order ("reads:blocks"): the most a
-kernel reading the cache in that order could reach. The machines are shared: compare kernels within one run,
-and rerun when the probe reads low.
+it. `--reads` adds bench/kv_reads.cpp's reads of the same bytes with no arithmetic, block by block in memory
+order with prefetching ("reads"): the most a kernel reading the cache could reach. The machines are shared:
+compare kernels within one run, and rerun when the probe reads low.
 
     .venv/bin/python bench/attention_bandwidth.py --baseline HEAD
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes float32 --kv-dtypes bfloat16 float16
@@ -52,8 +52,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hot", action="store_true",
                    help="one layer, read again by every call: with K/V in cache, what the kernel's arithmetic costs")
     p.add_argument("--reads", action="store_true",
-                   help="also time the reads alone, with no arithmetic, in two orders (bench/kv_reads.cpp)")
+                   help="also time the reads alone, with no arithmetic (bench/kv_reads.cpp)")
     return p.parse_args(argv)
+
+
+def reads_rows(ref: str) -> bool:
+    """Whether git revision `ref` keeps quantized caches in (slot, kv head) rows rather than in tiles."""
+    text = subprocess.run(["git", "show", f"{ref}:ops/kv_quant.py"], cwd=BENCH.parent, check=True,
+                          capture_output=True, text=True).stdout
+    return "def arrange(" not in text
 
 
 def build_baseline(ref: str):
@@ -82,8 +89,8 @@ def build_baseline(ref: str):
 
 
 def build_reads() -> dict:
-    """bench/kv_reads.cpp's op, which reads what a decode call reads and computes nothing, in its two
-    orders, called like the kernels."""
+    """bench/kv_reads.cpp's op, which reads what a decode call reads and computes nothing, called like the
+    kernels."""
     from torch.utils import cpp_extension
 
     from ops.cpu import build
@@ -93,8 +100,7 @@ def build_reads() -> dict:
     cpp_extension.load(name="pagedserve_bench_reads", sources=[str(BENCH / "kv_reads.cpp")],
                        extra_cflags=build.CFLAGS, extra_ldflags=build.LDFLAGS, build_directory=str(root),
                        is_python_module=False, verbose=False)
-    op = torch.ops.pagedserve_bench.paged_reads
-    return {"reads:kernel": lambda *a: op(*a, False), "reads:blocks": lambda *a: op(*a, True)}
+    return {"reads": torch.ops.pagedserve_bench.paged_reads}
 
 
 def random_rows(dims: tuple[int, ...], fmt: str, g: torch.Generator) -> torch.Tensor:
@@ -109,10 +115,12 @@ def random_rows(dims: tuple[int, ...], fmt: str, g: torch.Generator) -> torch.Te
 
 
 def make_case(rows: int, context: int, q_dtype: torch.dtype, kv_dtype: torch.dtype | str, seed: int = 0,
-              q_heads: int = Q_HEADS, hot: bool = False):
+              q_heads: int = Q_HEADS, hot: bool = False, row_order: bool = False):
     """Per layer: q [rows, Hq, D] and shuffled-table caches; one decode token per row. `kv_dtype` is a
-    storage dtype or a quantized format's name. `hot`: a single layer."""
+    storage dtype or a quantized format's name. `hot`: a single layer. `row_order`: each case also holds
+    its quantized caches in row order (for an older kernel), as a second tuple (else None)."""
     from engine.kv.pool import KVShape, lazy_zeros
+    from ops import kv_quant
 
     g = torch.Generator().manual_seed(seed)
     per_row = -(-context // BLOCK)
@@ -120,25 +128,38 @@ def make_case(rows: int, context: int, q_dtype: torch.dtype, kv_dtype: torch.dty
     dims = (rows * per_row, BLOCK, *shape.slot_dims)
     layer_bytes = rows * per_row * shape.bytes_per_block
     cases = []
+    quantized = isinstance(kv_dtype, str)
     for _ in range(1 if hot else max(4, -(-COLD_BYTES // layer_bytes))):
-        k, v = (lazy_zeros(dims, shape.storage_dtype, torch.device("cpu")) for _ in range(2))
-        for cache in (k, v):
-            cache.copy_(random_rows(dims, kv_dtype, g) if isinstance(kv_dtype, str) else torch.randn(dims, generator=g))
+        caches, in_rows = [], []
+        for role in kv_quant.ROLES:
+            cache = lazy_zeros(dims, shape.storage_dtype, torch.device("cpu"))
+            if quantized:
+                values = random_rows(dims, kv_dtype, g)
+                cache.copy_(kv_quant.arrange(values, kv_dtype, role))
+                if row_order:
+                    in_rows.append(lazy_zeros(dims, shape.storage_dtype, torch.device("cpu")).copy_(values))
+            else:
+                cache.copy_(torch.randn(dims, generator=g))
+            caches.append(cache)
         tables = torch.randperm(dims[0], generator=g).view(rows, per_row).int()
         q = torch.randn(rows, q_heads, HEAD_DIM, generator=g).to(q_dtype)
-        cases.append((q, k, v, torch.arange(rows + 1, dtype=torch.int32),
-                      torch.full((rows,), context, dtype=torch.int32), tables))
+        rest = (torch.arange(rows + 1, dtype=torch.int32), torch.full((rows,), context, dtype=torch.int32), tables)
+        cases.append(((q, *caches, *rest), (q, *in_rows, *rest) if in_rows else None))
     return cases, layer_bytes
 
 
-def measure(kernels: dict, cases: list, rounds: int) -> dict[str, list[float]]:
+def measure(kernels: dict, cases: list, rounds: int, in_rows: set) -> dict[str, list[float]]:
     """Seconds per call of each kernel and of the read probe, taking turns; every call reads the next layer
-    of the rotation, so none finds its K/V left in the cache by the call before."""
-    probes = [(k.view(-1).view(torch.float32), v.view(-1).view(torch.float32)) for _, k, v, *_ in cases]
+    of the rotation, so none finds its K/V left in the cache by the call before. The kernels named in
+    `in_rows` read the cases' row-order caches where they have them."""
+    probes = [(k.view(-1).view(torch.float32), v.view(-1).view(torch.float32)) for (_, k, v, *_), _ in cases]
+
+    def args(name, case):
+        return case[1] if name in in_rows and case[1] else case[0]
     times = {name: [] for name in [*kernels, "read probe"]}
-    for fn in kernels.values():              # warm-up: one pass over the layers
-        for args in cases:
-            fn(*args, HEAD_DIM ** -0.5)
+    for name, fn in kernels.items():         # warm-up: one pass over the layers
+        for case in cases:
+            fn(*args(name, case), HEAD_DIM ** -0.5)
     turn = 0
     for _ in range(rounds * len(cases)):
         for name in times:
@@ -148,7 +169,7 @@ def measure(kernels: dict, cases: list, rounds: int) -> dict[str, list[float]]:
                 probes[i][0].sum()
                 probes[i][1].sum()
             else:
-                kernels[name](*cases[i], HEAD_DIM ** -0.5)
+                kernels[name](*args(name, cases[i]), HEAD_DIM ** -0.5)
             times[name].append(time.perf_counter() - t0)
     return times
 
@@ -162,8 +183,11 @@ def main(argv: list[str]) -> None:
     if not ops.cpu.kernels_available():
         raise SystemExit("the C++ CPU kernels did not load (see the log line above)")
     kernels = {"new": ops.cpu._lib.paged_attention_decode}     # both raw: no Python checks in the timing
+    in_rows = set()
     if args.baseline:
         kernels[f"old ({args.baseline})"] = build_baseline(args.baseline)
+        if reads_rows(args.baseline):
+            in_rows.add(f"old ({args.baseline})")
     if args.reads:
         kernels.update(build_reads())
     bandwidth = measure_bandwidth_gb_s()
@@ -178,8 +202,8 @@ def main(argv: list[str]) -> None:
                         q_dtype = getattr(torch, q_name)
                         kv_dtype = kv_name if kv_name in ("q8_0", "q4_0") else getattr(torch, kv_name)
                         cases, nbytes = make_case(rows, context, q_dtype, kv_dtype, q_heads=args.q_heads,
-                                                  hot=args.hot)
-                        times = measure(kernels, cases, args.rounds * (16 if args.hot else 1))
+                                                  hot=args.hot, row_order=bool(in_rows))
+                        times = measure(kernels, cases, args.rounds * (16 if args.hot else 1), in_rows)
                         probe = statistics.median(times["read probe"])
                         for name, ts in times.items():
                             s = statistics.median(ts)

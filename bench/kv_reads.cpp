@@ -1,13 +1,9 @@
 // The reads of a decode attention call without its arithmetic, for bench/attention_bandwidth.py --reads:
 // every decode row's K and V bytes through its block table, rows cut into one piece per thread as the
-// kernel cuts them, in one of two orders:
-//  - kernel order: as the integer kernel (ops/cpu/attention_int8.h, run_int8) reads them — chunks of 64
-//    positions, each kv head in turn, its K rows then its V rows — prefetching the chunk after next line by
-//    line into L2, spread evenly over the chunk's reads;
-//  - block order: each block's K and V bytes as they lie in memory, line by line, prefetching the block
-//    two ahead a line per line read.
-// The time one takes is the most a kernel reading the cache in that order could reach. Sums come back so
-// nothing is optimized away.
+// kernel cuts them, each block's K and V bytes as they lie in memory, line by line, prefetching the block
+// two ahead a line per line read. The time it takes is the most a kernel reading the cache could reach (the
+// integer kernel, ops/cpu/attention_int8.h, reads a quantized cache's tiles in this order, a kv head at a
+// time). Sums come back so nothing is optimized away.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,7 +17,7 @@
 namespace {
 
 typedef long long Line __attribute__((vector_size(64)));
-constexpr int64_t kChunk = 64, kMinPiece = 256, kBlocksAhead = 2;
+constexpr int64_t kMinPiece = 256, kBlocksAhead = 2;
 
 Line load(const uint8_t* p) {
   Line x;
@@ -36,40 +32,6 @@ struct Cache {
   const uint8_t* v;
   int64_t block_stride, slot_stride, head_stride, row_bytes, block_size, kv_heads;
 };
-
-// Positions [from, to) of a row whose block table is `table` and whose length is `len`.
-Line kernel_order(const Cache& c, const int32_t* table, int64_t len, int64_t from, int64_t to) {
-  const auto slot = [&](int64_t pos) {
-    return table[pos / c.block_size] * c.block_stride + pos % c.block_size * c.slot_stride;
-  };
-  Line acc = {};
-  std::vector<const uint8_t*> lines;
-  for (int64_t p0 = from; p0 < to; p0 += kChunk) {
-    const int64_t n = std::min(kChunk, to - p0);
-    lines.clear();
-    for (int64_t pos = p0 + 2 * kChunk, stop = std::min(len, p0 + 3 * kChunk); pos < stop;) {
-      const int64_t end = std::min(stop, (pos / c.block_size + 1) * c.block_size), bytes = (end - pos) * c.slot_stride;
-      for (int64_t at = 0; at < bytes + 63; at += 64) {      // a block's run of slots
-        const int64_t line = slot(pos) + std::min(at, bytes - 1);
-        lines.push_back(c.k + line);
-        lines.push_back(c.v + line);
-      }
-      pos = end;
-    }
-    int64_t slots[kChunk];
-    for (int64_t j = 0; j < n; ++j) slots[j] = slot(p0 + j);
-    const int64_t count = static_cast<int64_t>(lines.size()), reads = 2 * c.kv_heads * n;
-    int64_t issued = 0, done = 0;
-    for (int64_t h = 0; h < c.kv_heads; ++h)
-      for (const uint8_t* cache : {c.k, c.v})          // a head's keys (its scores), then its values
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t row = slots[j] + h * c.head_stride;
-          for (int64_t b = 0; b < c.row_bytes; b += 64) acc += load(cache + row + std::min(b, c.row_bytes - 64));
-          for (const int64_t due = count * ++done / reads; issued < due;) prefetch(lines[issued++]);
-        }
-  }
-  return acc;
-}
 
 Line block_order(const Cache& c, const int32_t* table, int64_t len, int64_t from, int64_t to) {
   const int64_t bytes = c.block_size * c.slot_stride;
@@ -92,7 +54,7 @@ Line block_order(const Cache& c, const int32_t* table, int64_t len, int64_t from
 // q: [T, Hq, D] with one new token per row; caches [NB, BS, Hk, row] of any dtype. Returns [rows] sums.
 at::Tensor paged_reads(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                       const at::Tensor& block_tables, double scale, bool in_block_order) {
+                       const at::Tensor& block_tables, double scale) {
   (void)q, (void)query_start_loc, (void)scale;
   const int64_t elem = k_cache.element_size();
   const Cache c{static_cast<const uint8_t*>(k_cache.data_ptr()), static_cast<const uint8_t*>(v_cache.data_ptr()),
@@ -119,7 +81,7 @@ at::Tensor paged_reads(const at::Tensor& q, const at::Tensor& k_cache, const at:
     for (int64_t i = total * begin / shares; i < total * end / shares; ++i) {
       const Piece& p = pieces[i];
       const int32_t* table = tables.data_ptr<int32_t>() + p.row * width;
-      const Line acc = (in_block_order ? block_order : kernel_order)(c, table, len[p.row], p.from, p.to);
+      const Line acc = block_order(c, table, len[p.row], p.from, p.to);
       for (int l = 0; l < 8; ++l) partial[i] += static_cast<double>(acc[l]);
     }
   });
@@ -132,6 +94,6 @@ at::Tensor paged_reads(const at::Tensor& q, const at::Tensor& k_cache, const at:
 
 TORCH_LIBRARY(pagedserve_bench, m) {
   m.def("paged_reads(Tensor q, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor context_lens, "
-        "Tensor block_tables, float scale, bool in_block_order) -> Tensor");
+        "Tensor block_tables, float scale) -> Tensor");
   m.impl("paged_reads", c10::DispatchKey::CPU, &paged_reads);
 }

@@ -11,7 +11,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.draft import DraftModel, check_draft
 from engine.grammar import GrammarCompiler
-from engine.kv.pool import (KVPool, KVShape, StatePool, check_kv_head_dim, plan_num_blocks, plan_num_state_slots,
+from engine.kv.pool import (KVPool, KVShape, StatePool, check_kv_layout, plan_num_blocks, plan_num_state_slots,
                             resolve_kv_cache_dtype)
 from engine.loading.checkpoint import open_checkpoint
 from engine.loading.model_config import ModelConfig, parse_model_config
@@ -177,7 +177,7 @@ def _build(cfg: EngineConfig, progress) -> Engine:
         eos += (tokenizer.eos_token_id,)
     max_len = resolve_max_model_len(cfg, model_cfg)
     kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, device, dtype)
-    check_kv_head_dim(kv_dtype, model_cfg.head_dim)
+    check_kv_layout(kv_dtype, model_cfg.head_dim, cfg.block_size)
     speculator = build_speculator(cfg)
     model = build_decoder(model_cfg, ckpt, dtype, device,
                           LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))

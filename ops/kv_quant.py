@@ -1,7 +1,6 @@
 """Block-quantized K/V cache formats, the one place that knows their bytes (ops, pool and tests use it).
 
-A quantized cache is a `torch.uint8` tensor [NB, BS, Hk, row_bytes]: one row of bytes per (slot, kv head),
-head_dim / 32 blocks of 32 values in llama.cpp's block layouts:
+A (slot, kv head) row of head_dim values is head_dim / 32 blocks of 32 values in llama.cpp's block layouts:
   q8_0: fp16 scale d, 32 int8 q (34 bytes); value = d * q, d = amax / 127.
   q4_0: fp16 scale d, 16 bytes of nibbles (18 bytes); byte j holds value j in its low nibble and value
         j + 16 in its high one; value = d * (nibble - 8), d = (the value of largest magnitude) / -8.
@@ -9,6 +8,19 @@ Both round the way the C++ write_kv kernel does (ops/cpu/kv_quant.h), so the two
 scale is rounded to fp16 first and the values are multiplied by the reciprocal of that stored scale
 (llama.cpp uses the unrounded one); q8_0 rounds half to even (llama.cpp's roundf: half away from zero), q4_0
 takes floor(x / d + 8.5) clamped to [0, 15] as llama.cpp does.
+
+A quantized cache is a contiguous `torch.uint8` tensor [NB, BS, Hk, row_bytes] whose blocks hold their rows'
+bytes rearranged (`positions` says where each byte goes) into tiles of TILE slots of one kv head, so that
+the decode kernel finds 16 slots side by side in a vector's lanes and reads each tile as one run of memory:
+  block: [kv head][BS / TILE tiles][tile: TILE x row_bytes bytes]
+  tile:  the TILE slots' scales block by block, fp16 [head_dim / 32][TILE], then the values:
+    K q8_0  [head_dim / 4][TILE slots][4 values]: 4 consecutive values of each slot side by side
+    K q4_0  [head_dim / 32][4][TILE slots][4 bytes]: row r of a block: each slot's bytes 4r .. 4r + 3
+    V q8_0  [head_dim / 16][TILE / 4][16 values][4 slots]: 16 consecutive values of 4 consecutive slots
+    V q4_0  [head_dim / 32][TILE / 4][16 bytes][4 slots]: a block's 16 bytes of 4 consecutive slots
+The K order serves scores (a slot per lane, 4 values per dot product), the V order the weighted sum (a value
+per lane, 4 slots per dot product). `arrange` and `rows_of` convert between rows and blocks; the block size
+must be a multiple of TILE.
 
 K is stored rotated: each 32-value block is multiplied by the orthonormal Walsh-Hadamard matrix H/sqrt(32)
 (symmetric, its own inverse) before it is quantized, which spreads an outlier over the block so the
@@ -19,6 +31,7 @@ which leaves attention unchanged (engine/models/qwen3.py).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -27,6 +40,8 @@ from torch import Tensor
 BLOCK = 32                                           # values per scale
 BLOCK_BYTES = {"q8_0": 2 + BLOCK, "q4_0": 2 + BLOCK // 2}
 FORMATS = tuple(BLOCK_BYTES)
+ROLES = ("k", "v")                                   # the cache a row belongs to: their tiles differ
+TILE = 16                                            # slots per tile
 _INV_SQRT_BLOCK = 1 / math.sqrt(BLOCK)               # rounded to fp32 where it is used
 
 
@@ -43,11 +58,61 @@ def head_dim_problem(fmt: str, head_dim: int) -> str | None:
     return None
 
 
+def block_size_problem(fmt: str, block_size: int) -> str | None:
+    """Why `fmt` cannot be stored in blocks of `block_size` slots, or None."""
+    if block_size % TILE:
+        return (f"kv_cache_dtype {fmt} needs block_size a multiple of {TILE} (its tiles of {TILE} slots); "
+                f"got {block_size}")
+    return None
+
+
 def format_of(cache: Tensor, head_dim: int) -> str | None:
     """The quantized format of a uint8 `cache` holding heads of `head_dim` values (None: not one)."""
     if cache.dtype != torch.uint8 or head_dim % BLOCK:
         return None
     return next((f for f in FORMATS if cache.shape[-1] == row_bytes(f, head_dim)), None)
+
+
+@functools.lru_cache(maxsize=64)
+def positions(fmt: str, role: str, block_size: int, kv_heads: int, head_dim: int) -> Tensor:
+    """int64 [BS, Hk, row_bytes]: where byte i of the row of (slot, kv head) lies in its block's bytes (see
+    the module docstring). Shared and cached: do not modify."""
+    row, blocks = row_bytes(fmt, head_dim), head_dim // BLOCK
+    s = torch.arange(block_size).view(-1, 1, 1)
+    h = torch.arange(kv_heads).view(1, -1, 1)
+    i = torch.arange(row).view(1, 1, -1)
+    tile, j = s // TILE, s % TILE
+    b, o = i // BLOCK_BYTES[fmt], i % BLOCK_BYTES[fmt]
+    base = (h * (block_size // TILE) + tile) * (TILE * row)
+    scale = base + (b * TILE + j) * 2 + o
+    u, values = o - 2, base + blocks * TILE * 2
+    if fmt == "q8_0":
+        d = b * BLOCK + u
+        value = (values + (d // 4) * 4 * TILE + j * 4 + d % 4 if role == "k"
+                 else values + ((d // 16) * (TILE // 4) + j // 4) * 64 + d % 16 * 4 + j % 4)
+    else:
+        value = (values + b * 4 * TILE * 4 + (u // 4) * TILE * 4 + j * 4 + u % 4 if role == "k"
+                 else values + (b * (TILE // 4) + j // 4) * 64 + u * 4 + j % 4)
+    return torch.where(o < 2, scale, value).expand(block_size, kv_heads, row).contiguous()
+
+
+def arrange(rows: Tensor, fmt: str, role: str) -> Tensor:
+    """Rows uint8 [n, BS, Hk, row_bytes] -> the n blocks' bytes as the cache stores them (same shape)."""
+    n = rows.shape[0]
+    where = positions(fmt, role, *rows.shape[1:3], _head_dim(fmt, rows.shape[-1]))
+    out = torch.empty(n, rows[0].numel(), dtype=torch.uint8)
+    out[:, where.flatten()] = rows.reshape(n, -1)
+    return out.view(rows.shape)
+
+
+def rows_of(blocks: Tensor, fmt: str, role: str) -> Tensor:
+    """Blocks of a cache uint8 [n, BS, Hk, row_bytes] -> their (slot, kv head) rows (same shape)."""
+    where = positions(fmt, role, *blocks.shape[1:3], _head_dim(fmt, blocks.shape[-1]))
+    return blocks.reshape(blocks.shape[0], -1)[:, where.flatten()].view(blocks.shape)
+
+
+def _head_dim(fmt: str, row: int) -> int:
+    return row // BLOCK_BYTES[fmt] * BLOCK
 
 
 def rotate(x: Tensor) -> Tensor:
@@ -102,9 +167,16 @@ def quantize_kv(k: Tensor, v: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     return quantize(rotate(k), fmt), quantize(v, fmt)
 
 
-def dequantize_kv(k_rows: Tensor, v_rows: Tensor, fmt: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """K (still rotated: pair it with rotate(q)) and V from cache rows, in `dtype`."""
-    return dequantize(k_rows, fmt).to(dtype), dequantize(v_rows, fmt).to(dtype)
+def dequantize_kv(k_blocks: Tensor, v_blocks: Tensor, fmt: str, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """K (still rotated: pair it with rotate(q)) and V [n, BS, Hk, D] from n blocks of the caches, in `dtype`."""
+    return (dequantize(rows_of(k_blocks, fmt, "k"), fmt).to(dtype),
+            dequantize(rows_of(v_blocks, fmt, "v"), fmt).to(dtype))
+
+
+def write_rows(cache: Tensor, blocks: Tensor, offsets: Tensor, rows: Tensor, fmt: str, role: str) -> None:
+    """Stores rows uint8 [T, Hk, row_bytes] as the rows of slots `offsets` of cache blocks `blocks` ([T] each)."""
+    where = positions(fmt, role, *cache.shape[1:3], _head_dim(fmt, cache.shape[-1]))
+    cache.view(cache.shape[0], -1).index_put_((blocks.view(-1, 1, 1), where[offsets]), rows)
 
 
 def int8_queries(q: Tensor) -> Tensor:

@@ -3,9 +3,9 @@
 Row i owns q[qsl[i]:qsl[i+1]] (n_i tokens at positions ctx_i - n_i .. ctx_i - 1); its keys/values for
 positions 0 .. ctx_i - 1 are already in the cache, position p at block_tables[i][p // BS], offset p % BS.
 The cache may be stored in a narrower dtype than q (ops.write_kv.KV_CACHE_DTYPES): K/V are widened as they
-are read, and the output has q's dtype. Or it holds block-quantized q8_0 / q4_0 rows (uint8, ops/kv_quant.py):
-K/V are dequantized as they are read, and since quantized K is stored Hadamard-rotated per 32-value block,
-q is rotated the same way before it meets K (scores are unchanged in exact arithmetic).
+are read, and the output has q's dtype. Or it holds block-quantized q8_0 / q4_0 rows (uint8, arranged in tiles:
+ops/kv_quant.py): K/V are dequantized as they are read, and since quantized K is stored Hadamard-rotated per
+32-value block, q is rotated the same way before it meets K (scores are unchanged in exact arithmetic).
 """
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ def reference_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query
     dequantized and its K rotated back (the rotation is its own inverse), so q is used as it is."""
     fmt = kv_quant.format_of(k_cache, q.shape[-1])
     if fmt:
-        k_cache = kv_quant.rotate(kv_quant.dequantize(k_cache, fmt).double())
-        v_cache = kv_quant.dequantize(v_cache, fmt).double()
+        k_cache, v_cache = kv_quant.dequantize_kv(k_cache, v_cache, fmt, torch.float64)
+        k_cache = kv_quant.rotate(k_cache)
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float64)
     starts = query_start_loc.tolist()

@@ -1,6 +1,7 @@
 """`pagedserve::write_kv`: scatter new K/V rows into the paged cache at their slots (block * BS + offset),
 converted to the cache's storage dtype (rounded to nearest even, as `Tensor.to` does), or quantized into a
-uint8 cache of q8_0 / q4_0 rows (ops/kv_quant.py), K rotated by the block Walsh-Hadamard transform first."""
+uint8 cache of q8_0 / q4_0 rows (ops/kv_quant.py; K rotated by the block Walsh-Hadamard transform first),
+whose bytes go where the cache's tiles keep them."""
 from __future__ import annotations
 
 import torch
@@ -30,6 +31,10 @@ def check_cache_dtype(op: str, k_cache: Tensor, v_cache: Tensor, head_dim: int) 
     require(fmt is not None, op, "a uint8 cache must hold rows of " + " or ".join(
         f"{kv_quant.row_bytes(f, head_dim)} bytes ({f})" for f in kv_quant.FORMATS)
         + f" for head_dim {head_dim}, got {k_cache.shape[-1]}")
+    problem = kv_quant.block_size_problem(fmt, k_cache.shape[1])
+    require(problem is None, op, problem or "")
+    require(k_cache.is_contiguous() and v_cache.is_contiguous(), op,
+            f"a {fmt} cache must be contiguous: its blocks hold tiles of {kv_quant.TILE} slots of one kv head")
     return fmt
 
 
@@ -49,15 +54,22 @@ def _check(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping:
 
 
 def reference_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Token by token; a quantized cache's blocks are turned into rows, written and arranged back."""
     block_size = k_cache.shape[1]
     fmt = kv_quant.format_of(k_cache, k.shape[-1])
     if fmt:
         k, v = kv_quant.quantize_kv(k, v, fmt)
+        caches = [kv_quant.rows_of(k_cache, fmt, "k"), kv_quant.rows_of(v_cache, fmt, "v")]
+    else:
+        caches = [k_cache, v_cache]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
-        k_cache[slot // block_size, slot % block_size] = k[t]
-        v_cache[slot // block_size, slot % block_size] = v[t]
+        caches[0][slot // block_size, slot % block_size] = k[t]
+        caches[1][slot // block_size, slot % block_size] = v[t]
+    if fmt:
+        k_cache.copy_(kv_quant.arrange(caches[0], fmt, "k"))
+        v_cache.copy_(kv_quant.arrange(caches[1], fmt, "v"))
 
 
 @register("write_kv", "cpu")
@@ -73,9 +85,13 @@ def torch_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_
     blocks, offsets = slots // k_cache.shape[1], slots % k_cache.shape[1]
     k, v = k.index_select(0, keep), v.index_select(0, keep)
     fmt = kv_quant.format_of(k_cache, k.shape[-1])
-    k, v = kv_quant.quantize_kv(k, v, fmt) if fmt else (k.to(k_cache.dtype), v.to(v_cache.dtype))
-    k_cache.index_put_((blocks, offsets), k)
-    v_cache.index_put_((blocks, offsets), v)
+    if fmt:
+        k, v = kv_quant.quantize_kv(k, v, fmt)
+        kv_quant.write_rows(k_cache, blocks, offsets, k, fmt, "k")
+        kv_quant.write_rows(v_cache, blocks, offsets, v, fmt, "v")
+        return
+    k_cache.index_put_((blocks, offsets), k.to(k_cache.dtype))
+    v_cache.index_put_((blocks, offsets), v.to(v_cache.dtype))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::write_kv", mutates_args=("k_cache", "v_cache"))

@@ -79,7 +79,8 @@ def stored(k_cache, v_cache, head_dim):
     fmt = kv_quant.format_of(k_cache, head_dim)
     if fmt is None:
         return k_cache.double(), v_cache.double()
-    return kv_quant.rotate(kv_quant.dequantize(k_cache, fmt).double()), kv_quant.dequantize(v_cache, fmt).double()
+    keys, values = kv_quant.dequantize_kv(k_cache, v_cache, fmt, torch.float64)
+    return kv_quant.rotate(keys), values
 
 
 def _batch(rows, group, head_dim, q_dtype, kv_dtype, *, kv_heads=2, block=BLOCK, seed=0):
@@ -180,10 +181,10 @@ def test_a_row_is_attended_the_same_bit_for_bit_whatever_the_batch(q_dtype, kv_d
         assert torch.equal(alone[0], batched[token])
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, "q4_0"])
-@pytest.mark.parametrize("block", [8, 32])
+# quantized caches keep tiles of 16 slots, so their blocks are multiples of 16 (tests/test_kv_quant.py: refused)
+@pytest.mark.parametrize("kv_dtype, block", [(torch.bfloat16, 8), (torch.bfloat16, 32), ("q4_0", 32), ("q8_0", 64)])
 def test_block_sizes_other_than_the_tile(block, kv_dtype):
-    """Blocks smaller than the 16-position tile and spanning two tiles."""
+    """Blocks smaller than the 16-position tile, and blocks of two or four tiles."""
     rows = [(block - 1, 1), (block + 3, 1), (5 * block, 1), (3 * block, 2)]
     q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 64, torch.float32, kv_dtype, block=block, seed=block)
     got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)

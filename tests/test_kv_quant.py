@@ -100,12 +100,11 @@ def test_the_bytes_are_llama_cpps_block_layouts(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
 def test_the_cpp_and_torch_write_kv_store_the_same_bytes(fmt, src_dtype):
-    """Into strided caches (2 of 4 heads), padding slots skipped, both sides of a page boundary, a zero row
-    and a block that is all zeros but one -0.0 (the scale's sign must agree too)."""
+    """Padding slots skipped, both sides of a page boundary, a zero row and a block that is all zeros but
+    one -0.0 (the scale's sign must agree too); blocks of two tiles."""
     g = _gen(5)
     row = kv_quant.row_bytes(fmt, 64)
-    k_cache = torch.zeros(4, 16, 4, row, dtype=torch.uint8)[:, :, 1:3]
-    v_cache = torch.zeros(4, 16, 4, row, dtype=torch.uint8)[:, :, 1:3]
+    k_cache, v_cache = (torch.zeros(2, 32, 2, row, dtype=torch.uint8) for _ in range(2))
     k = (torch.randn(6, 2, 64, generator=g) * 30).to(src_dtype)
     v = torch.randn(6, 2, 64, generator=g).to(src_dtype)
     k[2], v[2, :, :32] = 0.0, 0.0
@@ -119,8 +118,9 @@ def test_the_cpp_and_torch_write_kv_store_the_same_bytes(fmt, src_dtype):
     reference_write_kv(ref_k, ref_v, k, v, slots)
     assert torch.equal(ref_k, want_k) and torch.equal(ref_v, want_v)
     # stored rotated: rotating back gives k within the (rotated) rounding error of sqrt(32) * d / 2
-    torch.testing.assert_close(kv_quant.rotate(kv_quant.dequantize(k_cache[3, 15], fmt)), k[0].float(),
-                               atol=3 * _scales(k_cache[3, 15], fmt).abs().max().item(), rtol=0)
+    k_row = kv_quant.rows_of(k_cache, fmt, "k")[1, 31]
+    torch.testing.assert_close(kv_quant.rotate(kv_quant.dequantize(k_row, fmt)), k[0].float(),
+                               atol=3 * _scales(k_row, fmt).abs().max().item(), rtol=0)
 
 
 @pytest.mark.usefixtures("cpp_kernels")
@@ -160,6 +160,33 @@ def test_the_op_with_decode_and_prefill_rows(backend, fmt, q_dtype, group):
     assert not got[int(qsl[-1]):].any()
 
 
+@pytest.mark.parametrize("role", kv_quant.ROLES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_tile_holds_its_rows_bytes_where_the_kernels_read_them(fmt, role):
+    """The documented arrangement, byte by byte, for slot 19 (tile 1, slot 3 of it) of kv head 1 in blocks
+    of 32 slots of 2 heads of 64 values: scales first, then the K order (4 values of each slot side by side)
+    or the V order (16 values of 4 slots side by side)."""
+    row, tile = kv_quant.row_bytes(fmt, 64), 16 * kv_quant.row_bytes(fmt, 64)
+    where = kv_quant.positions(fmt, role, 32, 2, 64)[19, 1]
+    start, j = (1 * 2 + 1) * tile, 3                      # head 1's second tile, its slot 3
+    block_bytes = kv_quant.BLOCK_BYTES[fmt]
+    for b in range(2):
+        assert where[b * block_bytes: b * block_bytes + 2].tolist() == [start + (b * 16 + j) * 2 + i for i in range(2)]
+    values = start + 2 * 16 * 2
+    if fmt == "q8_0":
+        value = [b * 32 + u for b in range(2) for u in range(32)]
+        want = ([values + v // 4 * 64 + j * 4 + v % 4 for v in value] if role == "k"
+                else [values + (v // 16 * 4 + j // 4) * 64 + v % 16 * 4 + j % 4 for v in value])
+    else:
+        pair = [(b, u) for b in range(2) for u in range(16)]
+        want = ([values + b * 256 + u // 4 * 64 + j * 4 + u % 4 for b, u in pair] if role == "k"
+                else [values + (b * 4 + j // 4) * 64 + u * 4 + j % 4 for b, u in pair])
+    got = [int(where[i]) for i in range(row) if i % block_bytes >= 2]
+    assert got == want
+    rows = torch.randint(0, 256, (3, 32, 2, row), generator=_gen(8), dtype=torch.uint8)
+    assert torch.equal(kv_quant.rows_of(kv_quant.arrange(rows, fmt, role), fmt, role), rows)
+
+
 def test_quantized_caches_are_refused_with_the_fix():
     q = torch.randn(1, 4, 48)
     kc, vc = (torch.zeros(2, 16, 2, 27, dtype=torch.uint8) for _ in range(2))
@@ -170,6 +197,12 @@ def test_quantized_caches_are_refused_with_the_fix():
     kc, vc = empty_cache(2, 16, 2, 64, "q8_0")
     with pytest.raises(ops.OpInputError, match=r"34 bytes \(q8_0\) or 18 bytes \(q4_0\) for head_dim 32, got 68"):
         pagedserve.write_kv(kc, vc, torch.randn(1, 2, 32), torch.randn(1, 2, 32), torch.tensor([0]))
+    kc, vc = empty_cache(2, 8, 2, 64, "q4_0")
+    with pytest.raises(ops.OpInputError, match="kv_cache_dtype q4_0 needs block_size a multiple of 16 .* got 8"):
+        pagedserve.write_kv(kc, vc, torch.randn(1, 2, 64), torch.randn(1, 2, 64), torch.tensor([0]))
+    kc, vc = (c[:, :, :1] for c in empty_cache(2, 16, 2, 64, "q8_0"))
+    with pytest.raises(ops.OpInputError, match="a q8_0 cache must be contiguous"):
+        pagedserve.write_kv(kc, vc, torch.randn(1, 1, 64), torch.randn(1, 1, 64), torch.tensor([0]))
 
 
 def test_the_pool_stores_quantized_rows_and_holds_more_tokens():
@@ -184,6 +217,8 @@ def test_the_pool_stores_quantized_rows_and_holds_more_tokens():
     with pytest.raises(KVCacheDtypeError, match="kv_cache_dtype q4_0 needs head_dim a multiple of 32; this model "
                                                 "has 48"):
         KVShape(2, 2, 48, 16, "q4_0")
+    with pytest.raises(KVCacheDtypeError, match="kv_cache_dtype q8_0 needs block_size a multiple of 16"):
+        KVShape(2, 2, 64, 8, "q8_0")
 
 
 def test_an_engine_refuses_a_quantized_cache_for_its_head_dim_before_loading_weights(tiny_checkpoint, monkeypatch):

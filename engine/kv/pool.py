@@ -45,19 +45,20 @@ def resolve_kv_cache_dtype(choice: str, device: torch.device, model_dtype: torch
     return KV_CACHE_DTYPE_NAMES[choice]
 
 
-def check_kv_head_dim(dtype: torch.dtype | str, head_dim: int) -> None:
-    """KVCacheDtypeError if a resolved K/V dtype cannot store heads of `head_dim` values (the builder calls
-    it before the weights load, so a bad choice fails in a moment)."""
-    problem = kv_quant.head_dim_problem(dtype, head_dim) if isinstance(dtype, str) else None
-    if problem:
-        raise KVCacheDtypeError(problem)
+def check_kv_layout(dtype: torch.dtype | str, head_dim: int, block_size: int) -> None:
+    """KVCacheDtypeError if a resolved K/V dtype cannot store heads of `head_dim` values in blocks of
+    `block_size` slots (the builder calls it before the weights load, so a bad choice fails in a moment)."""
+    if isinstance(dtype, str):
+        problem = kv_quant.head_dim_problem(dtype, head_dim) or kv_quant.block_size_problem(dtype, block_size)
+        if problem:
+            raise KVCacheDtypeError(problem)
 
 
 @dataclass(frozen=True)
 class KVShape:
     """One attention layer's paged K/V, per layer and block; `dtype` is the storage dtype, which may be
     narrower than the activations' (the ops convert on write and read), or a quantized format's name
-    (kv_quant.FORMATS: uint8 rows of row_bytes per slot and kv head); it sizes the pool."""
+    (kv_quant.FORMATS: uint8 rows of row_bytes per slot and kv head, arranged in tiles); it sizes the pool."""
     num_layers: int
     kv_heads: int
     head_dim: int
@@ -65,7 +66,7 @@ class KVShape:
     dtype: torch.dtype | str
 
     def __post_init__(self):
-        check_kv_head_dim(self.dtype, self.head_dim)
+        check_kv_layout(self.dtype, self.head_dim, self.block_size)
 
     @property
     def slot_dims(self) -> tuple[int, int]:

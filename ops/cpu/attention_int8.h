@@ -1,13 +1,21 @@
 // The decode attention for q8_0 / q4_0 caches on CPUs with AVX-512 VNNI (ops/cpu/paged_attention.cpp's
-// run_int8 calls it in place of attention_tile.h's fp32 tiles, whose widening of every value to fp32 and
-// FMA per value kept the FMA ports, not memory, the limit). Integer dot products instead:
-//  - scores: VPDPBUSD, 64 byte products per instruction, of the stored keys' bytes with the (rotated)
-//    query quantized like a q8_0 key (see Queries). The 16 keys of a tile are transposed in registers so
-//    each 32-bit lane holds one key: scores come out one key per lane, with no horizontal sums.
-//  - values: VPDPWSSD, two keys' int16 products per lane, with the softmax weight times the value block's
-//    scale rounded to int16 steps of the chunk's largest block scale / 32767 (weights are at most 1).
-// A chunk of 64 positions takes one softmax update and one pass over its values, so the per-update work
-// (reductions, exps, converting the int32 sums back into the fp32 accumulators) is spread over 64 keys.
+// run_int8 calls it; attention_quant.h is the fp32 kernel for other CPUs). It reads a cache's tiles
+// (kv_quant.h, ops/kv_quant.py) with integer dot products, a chunk of up to 4 tiles (64 slots) of one kv head
+// at a time, with one softmax update per chunk:
+//  - scores: VPDPBUSD, 64 byte products per instruction: a K row is 4 values of each of 16 slots, so one
+//    instruction against 4 query values broadcast gives 16 slots' partial scores, one per 32-bit lane, with no
+//    transposes. The (rotated) query is rounded to int8 per 32-value block as a q8_0 key is (see Queries).
+//  - values: VPDPBUSD again: a V row is 16 values of 4 slots, so one instruction against the 4 slots' softmax
+//    weights (as integers) adds their products into 16 output lanes. Weights are taken relative to the chunk's
+//    own largest score (the chunk's share of the softmax is a factor applied once), times the value blocks'
+//    scales, in steps of the chunk's largest scale, as two planes of bytes (two instructions per row, where one
+//    plane of 8 bits doubled the error q8_0's own rounding gives the attention): q8_0's 16 unsigned bits
+//    against its signed values; q4_0's 15 bits and a sign (its scales may be negative) against its nibbles,
+//    values + 8, the offset taken off once per chunk.
+// The operand that is the same in all 16 lanes (4 query values, 4 slots' weights) is broadcast into a register
+// first: VPDPBUSD broadcasting from memory itself ran ~1.35x slower here.
+// A chunk's tiles are read in memory order, each from its first byte to its last, while the same tiles two
+// chunks ahead are prefetched into L2 one 64-byte row per row read.
 #pragma once
 
 #include <algorithm>
@@ -28,39 +36,60 @@ namespace pagedserve_cpu::attention_int8 {
 
 using namespace pagedserve_cpu::simd;
 using kv_quant::kBlock;
+using kv_quant::kRow;
+using kv_quant::kTile;
 
-constexpr int kTile = 16;        // keys scored together: one per 32-bit lane
-constexpr int kChunk = 64;       // keys per softmax update and per pass of the values
-constexpr int kMaxGroup = 8;     // query heads per pass over a chunk; larger GQA groups take several
-constexpr int64_t kMaxBlocks = 8;   // 32-value blocks per head (head_dim <= 256; larger ones take the fp32 set)
+constexpr int kChunkTiles = 4;
+constexpr int kChunk = kChunkTiles * kTile;   // slots per softmax update
+constexpr int kMaxGroup = 8;                  // query heads per pass over a chunk; larger GQA groups take several
+constexpr int64_t kMaxBlocks = 8;             // 32-value blocks per head (head_dim <= 256; larger ones: fp32 kernel)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// A row's queries as the tile reads them: per query head, its (rotated) values as int8, round(x / d) with
-// d = amax / 127 per 32-value block (as llama.cpp scores q8_0 keys), and per block the scale that turns
-// the integer dot products into a score (d times the softmax scale) and the integer the stored keys' offset
-// adds (q8_0 keys are read as k + 128, q4_0 nibbles as k + 8). A 16-bit query (a second int8 part for the
-// remainder) doubled the scores' dot products and left the default model's perplexity with q8_0 K/V as
-// it was.
+// A row's queries as the scores read them: per query head, its (rotated) values as int8, round(x / d) with
+// d = amax / 127 per 32-value block (as llama.cpp scores q8_0 keys), and per block the scale that turns the
+// integer dot products into a score (d times the softmax scale) and the integer the keys' offset adds (q8_0
+// keys are read as k + 128, q4_0 nibbles as k + 8).
 struct Queries {
   std::vector<int8_t> values;    // [heads, dim]
   std::vector<float> scale;      // [heads, dim / 32]
   std::vector<int32_t> offset;   // [heads, dim / 32]: -(key offset) * the sum of the block's values
 };
 
-// acc + the dot products of VPDPBUSD (u: unsigned bytes, v: signed) and VPDPWSSD (int16 pairs), written in
-// place: through the intrinsics GCC 12 copied every accumulator before each instruction and back after it
-// (three instructions for one; this Xeon's move elimination hid the cost, a CPU without it would not).
+// acc + the dot products of VPDPBUSD (u: unsigned bytes, v: signed), in place: through the intrinsic GCC 12
+// copied every accumulator before each instruction and back after it.
 PAGEDSERVE_INLINE __m512i dot_u8s8(__m512i acc, __m512i u, __m512i v) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(v));
   return acc;
 }
-PAGEDSERVE_INLINE __m512i dot_s16(__m512i acc, __m512i a, __m512i b) {
-  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-  return acc;
+
+// The 32-bit word at p in every lane.
+PAGEDSERVE_INLINE __m512i broadcast_word(const void* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof word);
+  return _mm512_set1_epi32(word);
 }
 
 template <class C>
-constexpr int32_t kKeyOffset = std::is_same_v<C, kv_quant::Q8_0> ? 128 : 8;
+constexpr bool kQ8 = std::is_same_v<C, kv_quant::Q8_0>;
+// What the keys' unsigned bytes are read with added: q8_0's int8 as v + 128, q4_0's nibbles as they are.
+template <class C>
+constexpr int32_t kOffset = kQ8<C> ? 128 : 8;
+// The weights' range and the bits of their low plane: q8_0 16 unsigned bits (its scales are never negative;
+// the weights are the unsigned operand), q4_0 15 bits and a sign (the signed operand: a signed high byte and
+// a low one of 7 bits).
+template <class C>
+constexpr float kWeightSteps = kQ8<C> ? 65535.f : 16383.f;
+template <class C>
+constexpr int kPlaneBits = kQ8<C> ? 8 : 7;
+
+// A K (or q4_0 V) row's 64 bytes as unsigned: q8_0's int8 + 128; q4_0's low (`high` false) or high nibbles.
+template <class C>
+PAGEDSERVE_INLINE __m512i unsigned_row(const uint8_t* p, bool high = false) {
+  const __m512i x = _mm512_loadu_si512(p);
+  if constexpr (kQ8<C>) return _mm512_xor_si512(x, _mm512_set1_epi8(-128));
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  return high ? _mm512_and_si512(_mm512_srli_epi16(x, 4), mask) : _mm512_and_si512(x, mask);
+}
 
 // x: [heads, dim] fp32 queries, already rotated.
 template <class C>
@@ -70,246 +99,291 @@ void quantize_queries(const float* x, int64_t heads, int64_t dim, float softmax_
   out.scale.resize(heads * blocks);
   out.offset.resize(heads * blocks);
   for (int64_t hb = 0; hb < heads * blocks; ++hb) {
-    const float* v = x + hb * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const __m512 a = _mm512_loadu_ps(x + hb * kBlock), b = _mm512_loadu_ps(x + hb * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     const float d = amax / 127.f, inv = d == 0.f ? 0.f : 1.f / d;
-    int32_t sum = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      const float y = std::nearbyint(v[i] * inv);
-      out.values[hb * kBlock + i] = static_cast<int8_t>(y);
-      sum += static_cast<int32_t>(y);
-    }
+    // round half to even, as std::nearbyint and torch.round do
+    const auto round = [&](__m512 v) {
+      return _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)),
+                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    };
+    const __m512i ya = round(a), yb = round(b);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.values.data() + hb * kBlock), _mm512_cvtsepi32_epi8(ya));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.values.data() + hb * kBlock + 16), _mm512_cvtsepi32_epi8(yb));
     out.scale[hb] = d * softmax_scale;
-    out.offset[hb] = -kKeyOffset<C> * sum;
+    out.offset[hb] = -kOffset<C> * _mm512_reduce_add_epi32(_mm512_add_epi32(ya, yb));
   }
 }
 
-// Per thread: a chunk's scores (then softmax weights), its value blocks' scales and the weights as int16.
-struct Scratch {
-  alignas(64) float scores[kMaxGroup * kChunk];
-  alignas(64) float v_scales[kMaxBlocks * kChunk];            // [blocks, 64]
-  alignas(64) int16_t weights[kMaxGroup * kMaxBlocks * kChunk];  // [group, blocks, 64]
-  float corr[kMaxGroup];
+// Denormal floats flushed to zero (inputs and results) while it lives: a running sum or accumulator times a
+// correction of ~1e-38 made denormals, and each product with one takes a microcode assist (a chunk ran 5x
+// slower). Such values weigh nothing next to the normal ones they are summed with.
+struct FlushDenormals {
+  const unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }     // FTZ | DAZ
+  ~FlushDenormals() { _mm_setcsr(saved); }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
 };
 
-// The 32 stored values of block b of a row as unsigned bytes in order (q8_0: k + 128; q4_0: the nibbles).
-template <class C>
-PAGEDSERVE_INLINE __m256i block_bytes(const uint8_t* row, int64_t b) {
-  const uint8_t* block = row + b * C::kBlockBytes + 2;
-  if constexpr (std::is_same_v<C, kv_quant::Q8_0>) {
-    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)), _mm256_set1_epi8(-128));
-  } else {
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block)), mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), mask), _mm_and_si128(x, mask));
-  }
+// The tiles of one chunk of one kv head: `n` slots (up to kChunk; the last tile may be partial) and, where
+// they exist, the tiles two chunks on (prefetched while these are read; null past the row's end).
+struct Chunk {
+  const uint8_t* k[kChunkTiles];
+  const uint8_t* v[kChunkTiles];
+  const uint8_t* k_ahead[kChunkTiles];
+  const uint8_t* v_ahead[kChunkTiles];
+  int n;
+};
+
+// Per thread: a chunk's scores, and the integer weights of its values, per head,
+// block and plane (high, low): 64 signed bytes whose 32-bit word 4q + t holds the weights of slots
+// 4q .. 4q + 3 of the chunk's tile t.
+struct Scratch {
+  alignas(64) float scores[kMaxGroup][kChunk];
+  alignas(64) uint8_t weights[kMaxGroup][kMaxBlocks][2][kChunk];
+  float corr[kMaxGroup];   // what the running accumulators are multiplied by
+  float share[kMaxGroup];  // what the chunk's sums are multiplied by (its max against the running max)
+};
+
+PAGEDSERVE_INLINE __mmask16 first_lanes(int n) {
+  return static_cast<__mmask16>(n >= kTile ? 0xFFFF : (1u << std::max(n, 0)) - 1);
 }
 
-// Block b of 16 rows as 8 vectors, t[c] lane j = bytes 4c..4c+3 of row j: an 8 x 8 transpose of 32-bit
-// values in each 256-bit half (rows j and j + 8 share a vector).
-template <class C>
-PAGEDSERVE_INLINE void transpose_block(const uint8_t* const* rows, int64_t b, __m512i* t) {
-  __m512i z[8], u[8], v[8];
-  for (int j = 0; j < 8; ++j)
-    z[j] = _mm512_inserti64x4(_mm512_castsi256_si512(block_bytes<C>(rows[j], b)), block_bytes<C>(rows[j + 8], b), 1);
-  for (int j = 0; j < 8; j += 2) {
-    u[j] = _mm512_unpacklo_epi32(z[j], z[j + 1]);        // per 128-bit lane: (r_j, r_j+1) of dwords 0, 1
-    u[j + 1] = _mm512_unpackhi_epi32(z[j], z[j + 1]);    // ... of dwords 2, 3
-  }
-  for (int j = 0; j < 8; j += 4)
-    for (int i = 0; i < 2; ++i) {
-      v[j + 2 * i] = _mm512_unpacklo_epi64(u[j + i], u[j + i + 2]);       // rows j..j+3 of dword (2i) per lane
-      v[j + 2 * i + 1] = _mm512_unpackhi_epi64(u[j + i], u[j + i + 2]);   // ... of dword (2i + 1)
-    }
-  // v[c] (c < 4, rows 0..3) and v[c + 4] (rows 4..7): lane L of each half holds dword c + 4L; interleave the
-  // halves' 128-bit lanes so rows run 0..15
-  const __m512i low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-  for (int c = 0; c < 4; ++c) {
-    t[c] = _mm512_permutex2var_epi64(v[c], low, v[c + 4]);
-    t[c + 4] = _mm512_permutex2var_epi64(v[c], high, v[c + 4]);
-  }
+// Prefetches the 64-byte row at `offset` of a tile two chunks ahead (nothing past the row's end).
+PAGEDSERVE_INLINE void prefetch_row(const uint8_t* ahead, int64_t offset) {
+  if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + offset), _MM_HINT_T1);
 }
 
-// The fp16 scales of block b of 16 rows (row j at origin + offsets[j]) as fp32 lanes, by 16 scalar loads:
-// on Zen 4 one VPGATHERDD took longer than all of them.
-PAGEDSERVE_INLINE __m512 block_scales(const uint8_t* origin, const int32_t* offsets, int64_t b, int64_t block_bytes) {
-  alignas(32) uint16_t words[kTile];
-  const uint8_t* at = origin + b * block_bytes;
-  for (int j = 0; j < kTile; ++j) std::memcpy(&words[j], at + offsets[j], sizeof(uint16_t));
-  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(words)));
-}
-
-// Scores of 16 keys (rows[j], also at k_origin + offsets[j]) for G query heads into scores[g * 64 ...]: per
-// block, the keys transposed once and G chains of dot products side by side.
-template <class C, int G>
-PAGEDSERVE_INLINE void score_tile(const Queries& q, int64_t h, const uint8_t* const* rows, const uint8_t* k_origin,
-                                  const int32_t* offsets, int64_t dim, float* scores) {
+// The scaled scores of T tiles (from tile t0 of the chunk) for G query heads from h: per 32-value block, the K
+// rows' dot products with the query's int8 values in int32 lanes, then times the keys' and the query's scales.
+template <class C, int G, int T>
+PAGEDSERVE_INLINE void score_tiles(const Queries& q, int64_t h, const Chunk& c, int t0, int64_t dim, __m512 (&sc)[T][G]) {
   const int64_t blocks = dim / kBlock;
-  __m512 sc[G];
-  for (int g = 0; g < G; ++g) sc[g] = _mm512_setzero_ps();
-  const auto part = [&](int g, int64_t b, int c) {    // 4 query values for the keys' bytes 4c..4c+3
-    int32_t word;
-    std::memcpy(&word, q.values.data() + (h + g) * dim + b * kBlock + 4 * c, sizeof word);
-    return _mm512_set1_epi32(word);
-  };
+  for (int t = 0; t < T; ++t)
+    for (int g = 0; g < G; ++g) sc[t][g] = _mm512_setzero_ps();
+  for (int t = 0; t < T; ++t) prefetch_row(c.k_ahead[t0 + t], 0);
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i t[8], dot[G];
-    transpose_block<C>(rows, b, t);
-    for (int g = 0; g < G; ++g) dot[g] = _mm512_set1_epi32(q.offset[(h + g) * blocks + b]);
-    for (int c = 0; c < 8; ++c)
-      for (int g = 0; g < G; ++g) dot[g] = dot_u8s8(dot[g], t[c], part(g, b, c));
-    const __m512 k_scale = block_scales(k_origin, offsets, b, C::kBlockBytes);
-    for (int g = 0; g < G; ++g)
-      sc[g] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot[g]), k_scale),
-                              _mm512_set1_ps(q.scale[(h + g) * blocks + b]), sc[g]);
-  }
-  for (int g = 0; g < G; ++g) _mm512_store_ps(scores + g * kChunk, sc[g]);
-}
-
-// G heads' online-softmax update over a chunk's `n` scores (s.scores, `tiles` vectors per head, keys from
-// n on masked): the running max and sum, each head's correction of its accumulators in s.corr, and the
-// weights in place of the scores.
-template <int G>
-PAGEDSERVE_INLINE void softmax_chunk(Scratch& s, int n, int tiles, float* run_max, float* run_sum) {
-  float m[G];
-  for (int g = 0; g < G; ++g) {
-    float* sc = s.scores + g * kChunk;
-    for (int i = 0; i < tiles; ++i) {
-      const int left = std::clamp(n - i * kTile, 0, kTile);
-      const __mmask16 real = static_cast<__mmask16>((1u << left) - 1);
-      const __m512 x = _mm512_load_ps(sc + i * kTile);
-      _mm512_store_ps(sc + i * kTile, _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), real, x));
+    __m512i dot[T][G];
+    for (int g = 0; g < G; ++g) {
+      const __m512i start = _mm512_set1_epi32(q.offset[(h + g) * blocks + b]);
+      for (int t = 0; t < T; ++t) dot[t][g] = start;
     }
-    __m512 top = _mm512_load_ps(sc);
-    for (int i = 1; i < tiles; ++i) top = _mm512_max_ps(top, _mm512_load_ps(sc + i * kTile));
-    m[g] = std::max(run_max[g], _mm512_reduce_max_ps(top));
-  }
-  for (int g = 0; g < G; ++g) {
-    float* sc = s.scores + g * kChunk;
-    s.corr[g] = exp_nonpositive<Scalar>(run_max[g] - m[g]);    // -inf on the first chunk: its correction is 0
-    __m512 total = _mm512_setzero_ps();
-    for (int i = 0; i < tiles; ++i) {
-      const __m512 e = exp_nonpositive<Avx512>(_mm512_sub_ps(_mm512_load_ps(sc + i * kTile), _mm512_set1_ps(m[g])));
-      _mm512_store_ps(sc + i * kTile, e);
-      total = _mm512_add_ps(total, e);
+    const int8_t* qv = q.values.data() + h * dim + b * kBlock;
+    // K row r: q8_0 values 4r .. 4r + 3 of the block; q4_0 nibble pairs 4r .. 4r + 3 (values 4r + i, 16 + 4r + i)
+    for (int r = 0; r < (kQ8<C> ? 8 : 4); ++r) {
+      const int64_t at = kv_quant::k_row<C>(dim, b, r);
+      for (int half = 0; half < (kQ8<C> ? 1 : 2); ++half) {
+        __m512i key[T];
+        for (int t = 0; t < T; ++t) {
+          if (half == 0) prefetch_row(c.k_ahead[t0 + t], at);
+          key[t] = unsigned_row<C>(c.k[t0 + t] + at, half);
+        }
+        for (int g = 0; g < G; ++g) {
+          const __m512i w = broadcast_word(qv + g * dim + 16 * half + 4 * r);
+          for (int t = 0; t < T; ++t) dot[t][g] = dot_u8s8(dot[t][g], key[t], w);
+        }
+      }
     }
-    run_sum[g] = run_sum[g] * s.corr[g] + _mm512_reduce_add_ps(total);
-    run_max[g] = m[g];
+    for (int t = 0; t < T; ++t) {
+      const __m512 dk = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.k[t0 + t] + kv_quant::scale_of(b, 0))));
+      for (int g = 0; g < G; ++g)
+        sc[t][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][g]),
+                                   _mm512_mul_ps(dk, _mm512_set1_ps(q.scale[(h + g) * blocks + b])), sc[t][g]);
+    }
   }
 }
 
-// The weights of the values, per head and value block: softmax weight times the block's scale, as int16 in
-// steps of the largest block scale of the chunk / 32767 (weights are at most 1, so they fit); returns the
-// step of each block in step[b].
+// exp(x) for x <= 0 (-inf included) as simd.h's exp_nonpositive evaluates it, with its last steps (2^n, and
+// 0 below -87) done by one VSCALEFPS of the argument clamped to -86: below that the result is ~4e-38, which
+// weighs nothing once the weights are integers, and is no denormal (products with those take microcode
+// assists: 5x slower chunks).
+PAGEDSERVE_INLINE __m512 exp_scalef(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-86.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// G heads' softmax update over a chunk's scores (s.scores, slots from c.n on masked) and the integer weights
+// of its values: the running max and sum, s.corr and s.share; per head and block the weights
+// exp(score - the chunk's max) (at most 1) times the block's scale, in steps of the chunk's largest such
+// scale / kWeightSteps (step[b] gets each block's step), as 16 bits split into s.weights' two planes.
 template <class C, int G>
-PAGEDSERVE_INLINE void value_weights(Scratch& s, const uint8_t* v_origin, const int32_t* offsets, int tiles,
-                                     int64_t blocks, float* step) {
+PAGEDSERVE_INLINE void weigh_chunk(Scratch& s, const Chunk& c, int tiles, int64_t blocks, float* run_max,
+                                   float* run_sum, float* step) {
+  __m512 scale[kMaxBlocks][kChunkTiles];    // the blocks' scales of each tile in steps of their block's largest
   for (int64_t b = 0; b < blocks; ++b) {
     __m512 top = _mm512_setzero_ps();
-    for (int i = 0; i < tiles; ++i) {
-      const __m512 d = block_scales(v_origin, offsets + i * kTile, b, C::kBlockBytes);
-      _mm512_store_ps(s.v_scales + b * kChunk + i * kTile, d);
-      top = _mm512_max_ps(top, _mm512_abs_ps(d));
+    for (int t = 0; t < kChunkTiles; ++t) {
+      // slots past the chunk's end (whatever their scales hold) and absent tiles weigh nothing
+      scale[b][t] = t < tiles ? _mm512_maskz_mov_ps(first_lanes(c.n - t * kTile),
+                                                    _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                                        c.v[t] + kv_quant::scale_of(b, 0)))))
+                              : _mm512_setzero_ps();
+      top = _mm512_max_ps(top, _mm512_abs_ps(scale[b][t]));
     }
     const float largest = _mm512_reduce_max_ps(top);
-    step[b] = largest / 32767.f;
-    const __m512 inv = _mm512_set1_ps(largest == 0.f ? 0.f : 32767.f / largest);
-    for (int i = 0; i < tiles; ++i) {
-      const __m512 d = _mm512_mul_ps(_mm512_load_ps(s.v_scales + b * kChunk + i * kTile), inv);
-      for (int g = 0; g < G; ++g) {
-        const __m512 w = _mm512_mul_ps(_mm512_load_ps(s.scores + g * kChunk + i * kTile), d);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(s.weights + (g * blocks + b) * kChunk + i * kTile),
-                           _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(w)));
-      }
+    step[b] = largest / kWeightSteps<C>;
+    const __m512 inv = _mm512_set1_ps(largest == 0.f ? 0.f : kWeightSteps<C> / largest);
+    for (int t = 0; t < kChunkTiles; ++t) scale[b][t] = _mm512_mul_ps(scale[b][t], inv);
+  }
+  alignas(64) float top[16] = {}, old[16] = {}, now[16] = {};
+  for (int g = 0; g < G; ++g) {
+    __m512 m = _mm512_load_ps(s.scores[g]);
+    for (int t = 1; t < tiles; ++t) m = _mm512_max_ps(m, _mm512_load_ps(s.scores[g] + t * kTile));
+    top[g] = _mm512_reduce_max_ps(m);
+    old[g] = run_max[g];
+    now[g] = std::max(old[g], top[g]);
+  }
+  // both factors at once for all heads (old is -inf on the first chunk: its correction is 0)
+  const __m512 m = _mm512_load_ps(now);
+  alignas(64) float corr[16], share[16];
+  _mm512_store_ps(corr, exp_scalef(_mm512_sub_ps(_mm512_load_ps(old), m)));
+  _mm512_store_ps(share, exp_scalef(_mm512_sub_ps(_mm512_load_ps(top), m)));
+  for (int g = 0; g < G; ++g) {
+    __m512 e[kChunkTiles], total = _mm512_setzero_ps();
+    for (int t = 0; t < kChunkTiles; ++t) {
+      e[t] = t < tiles ? exp_scalef(_mm512_sub_ps(_mm512_load_ps(s.scores[g] + t * kTile), _mm512_set1_ps(top[g])))
+                       : _mm512_setzero_ps();
+      total = _mm512_add_ps(total, e[t]);
+    }
+    s.corr[g] = corr[g];
+    s.share[g] = share[g];
+    run_sum[g] = run_sum[g] * corr[g] + share[g] * _mm512_reduce_add_ps(total);
+    run_max[g] = now[g];
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i w[kChunkTiles];
+      for (int t = 0; t < kChunkTiles; ++t) w[t] = _mm512_cvtps_epi32(_mm512_mul_ps(e[t], scale[b][t]));
+      // as 16 bits, split into the planes (w >> kPlaneBits, the low bits), as bytes: 128-bit lane q of the
+      // packs holds tile 0's slots 4q .. 4q + 3, then tile 1's, 2's, 3's
+      const __m512i w01 = kQ8<C> ? _mm512_packus_epi32(w[0], w[1]) : _mm512_packs_epi32(w[0], w[1]);
+      const __m512i w23 = kQ8<C> ? _mm512_packus_epi32(w[2], w[3]) : _mm512_packs_epi32(w[2], w[3]);
+      const __m512i low = _mm512_set1_epi16((1 << kPlaneBits<C>) - 1);
+      const __m512i h01 = kQ8<C> ? _mm512_srli_epi16(w01, 8) : _mm512_srai_epi16(w01, kPlaneBits<C>);
+      const __m512i h23 = kQ8<C> ? _mm512_srli_epi16(w23, 8) : _mm512_srai_epi16(w23, kPlaneBits<C>);
+      const __m512i l01 = _mm512_and_si512(w01, low), l23 = _mm512_and_si512(w23, low);
+      _mm512_store_si512(s.weights[g][b][0], kQ8<C> ? _mm512_packus_epi16(h01, h23) : _mm512_packs_epi16(h01, h23));
+      _mm512_store_si512(s.weights[g][b][1], kQ8<C> ? _mm512_packus_epi16(l01, l23) : _mm512_packs_epi16(l01, l23));
     }
   }
 }
 
-// The 32 values of block b of a row as int16 (q4_0: nibble - 8).
-template <class C>
-PAGEDSERVE_INLINE __m512i value_block(const uint8_t* row, int64_t b) {
-  if constexpr (std::is_same_v<C, kv_quant::Q8_0>)
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * C::kBlockBytes + 2)));
-  else
-    return _mm512_cvtepi8_epi16(_mm256_sub_epi8(block_bytes<C>(row, b), _mm256_set1_epi8(8)));
-}
-
-// Lines to prefetch into L2 while a chunk is read, a few per step of its values' loop rather than all at
-// once (the core has few miss buffers; software prefetches wait for them like loads).
-struct Prefetch {
-  const char* const* lines;
-  int count;
-};
-
-// acc[g][block b] = acc * corr[g] + step[b] * sum over the chunk's keys of weight * value, in int32 lanes:
-// VPDPWSSD takes the keys in pairs (j, j + 1), their values interleaved by unpacking, so one instruction
-// adds two keys' products for 16 values (lo: values 8L + 0..3 of each 128-bit lane L, hi: 8L + 4..7).
-template <class C, int G>
-PAGEDSERVE_INLINE void add_values(const Scratch& s, const uint8_t* const* rows, int n, int64_t blocks,
-                                  const float* step, int64_t dim, float* acc, Prefetch ahead) {
-  const int steps = static_cast<int>(blocks) * ((n + 1) / 2), per = (ahead.count + steps - 1) / steps;
-  int issued = 0;
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+// acc[g][values of block b] = acc * corr[g] + step[b] * share[g] * the sum over the chunk's slots of weight *
+// value, for the P heads from g0: per V row (16 values of 4 slots) one VPDPBUSD per head and weight plane with
+// the 4 slots' weights broadcast.
+template <class C, int P>
+PAGEDSERVE_INLINE void add_values(const Scratch& s, const Chunk& c, int g0, int tiles, int64_t blocks,
+                                  const float* step, int64_t dim, float* acc) {
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i lo_acc[G], hi_acc[G];
-    for (int g = 0; g < G; ++g) lo_acc[g] = hi_acc[g] = _mm512_setzero_si512();
-    const int32_t* pairs[G];
-    for (int g = 0; g < G; ++g) pairs[g] = reinterpret_cast<const int32_t*>(s.weights + (g * blocks + b) * kChunk);
-    for (int j = 0; j < n; j += 2) {
-      for (int i = 0; i < per && issued < ahead.count; ++i) _mm_prefetch(ahead.lines[issued++], _MM_HINT_T1);
-      const __m512i x = value_block<C>(rows[j], b), y = value_block<C>(rows[j + 1], b);
-      const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
-      for (int g = 0; g < G; ++g) {
-        const __m512i w = _mm512_set1_epi32(pairs[g][j / 2]);
-        lo_acc[g] = dot_s16(lo_acc[g], lo, w);
-        hi_acc[g] = dot_s16(hi_acc[g], hi, w);
+    __m512i lo_h[P], lo_l[P], hi_h[P], hi_l[P];   // values 32b .. 32b + 15, 32b + 16 .. 32b + 31; weight planes
+    for (int g = 0; g < P; ++g) lo_h[g] = lo_l[g] = hi_h[g] = hi_l[g] = _mm512_setzero_si512();
+    for (int t = 0; t < tiles; ++t)
+      for (int quad = 0; quad < kTile / 4; ++quad) {
+        // values 32b .. 32b + 15 and 32b + 16 .. 32b + 31: q8_0's V rows 2b and 2b + 1, q4_0's row b's nibbles
+        const int64_t at_lo = kv_quant::v_row(dim, kQ8<C> ? 2 * b : b, quad);
+        const int64_t at_hi = kQ8<C> ? kv_quant::v_row(dim, 2 * b + 1, quad) : at_lo;
+        if (g0 == 0) {
+          prefetch_row(c.v_ahead[t], at_lo);
+          if constexpr (kQ8<C>) prefetch_row(c.v_ahead[t], at_hi);
+        }
+        __m512i x, y;            // q8_0's signed values as they are, q4_0's nibbles
+        if constexpr (kQ8<C>) {
+          x = _mm512_loadu_si512(c.v[t] + at_lo);
+          y = _mm512_loadu_si512(c.v[t] + at_hi);
+        } else {
+          x = unsigned_row<C>(c.v[t] + at_lo);
+          y = unsigned_row<C>(c.v[t] + at_hi, true);
+        }
+        for (int g = 0; g < P; ++g) {
+          const __m512i wh = broadcast_word(s.weights[g0 + g][b][0] + 16 * quad + 4 * t);
+          const __m512i wl = broadcast_word(s.weights[g0 + g][b][1] + 16 * quad + 4 * t);
+          if constexpr (kQ8<C>) {
+            lo_h[g] = dot_u8s8(lo_h[g], wh, x);
+            lo_l[g] = dot_u8s8(lo_l[g], wl, x);
+            hi_h[g] = dot_u8s8(hi_h[g], wh, y);
+            hi_l[g] = dot_u8s8(hi_l[g], wl, y);
+          } else {
+            lo_h[g] = dot_u8s8(lo_h[g], x, wh);
+            lo_l[g] = dot_u8s8(lo_l[g], x, wl);
+            hi_h[g] = dot_u8s8(hi_h[g], y, wh);
+            hi_l[g] = dot_u8s8(hi_l[g], y, wl);
+          }
+        }
       }
-    }
-    const __m512 d = _mm512_set1_ps(step[b]);
-    for (int g = 0; g < G; ++g) {
-      float* out = acc + g * dim + b * kBlock;
-      const __m512 c = _mm512_set1_ps(s.corr[g]);
-      const __m512 a = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo_acc[g], first, hi_acc[g]));
-      const __m512 e = _mm512_cvtepi32_ps(_mm512_permutex2var_epi32(lo_acc[g], second, hi_acc[g]));
-      _mm512_storeu_ps(out, _mm512_fmadd_ps(a, d, _mm512_mul_ps(_mm512_loadu_ps(out), c)));
-      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(e, d, _mm512_mul_ps(_mm512_loadu_ps(out + 16), c)));
+    for (int g = 0; g < P; ++g) {
+      // the high plane's sums shifted up onto the low one's (at most 64 * 255 * 128 * 256: within int32); q4_0
+      // less 8 times the sum of the weights
+      __m512i off = _mm512_setzero_si512();
+      if constexpr (!kQ8<C>) {
+        const __m512i ones = _mm512_set1_epi8(1);
+        const __m512i sums = _mm512_add_epi32(
+            _mm512_slli_epi32(dot_u8s8(_mm512_setzero_si512(), ones, _mm512_load_si512(s.weights[g0 + g][b][0])),
+                              kPlaneBits<C>),
+            dot_u8s8(_mm512_setzero_si512(), ones, _mm512_load_si512(s.weights[g0 + g][b][1])));
+        off = _mm512_set1_epi32(kOffset<C> * _mm512_reduce_add_epi32(sums));
+      }
+      const __m512i a = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(lo_h[g], kPlaneBits<C>), lo_l[g]), off);
+      const __m512i e = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hi_h[g], kPlaneBits<C>), hi_l[g]), off);
+      float* out = acc + (g0 + g) * dim + b * kBlock;
+      const __m512 keep = _mm512_set1_ps(s.corr[g0 + g]), add = _mm512_set1_ps(step[b] * s.share[g0 + g]);
+      _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), add, _mm512_mul_ps(_mm512_loadu_ps(out), keep)));
+      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), add, _mm512_mul_ps(_mm512_loadu_ps(out + 16), keep)));
     }
   }
 }
 
-// `n` (<= 64) keys of one kv head against G of its query heads (those from h of q), with the online-softmax
-// update of the heads' running max / sum / accumulators (acc [G, dim] in order). Row j's K and V are at
-// k_origin / v_origin + offsets[j] (offsets[64]; those from n on repeat row 0, so every tile reads real rows
-// and pairs stay whole; their weights are 0). The `ahead` lines are prefetched on the way.
+// A chunk of one kv head against G of its query heads (those from h of q), with the online-softmax update of
+// the heads' running max / sum / accumulators (acc [G, dim] in order: the pointer is to head h's). Scores take two tiles at a time where
+// the registers hold both (their dot products interleave), else one.
 template <class C, int G>
-void attend_chunk(const Queries& q, int64_t h, float* acc, float* run_max, float* run_sum, const uint8_t* k_origin,
-                  const uint8_t* v_origin, const int32_t* offsets, int n, int64_t dim, Scratch& s, Prefetch ahead) {
-  const int64_t blocks = dim / kBlock;
-  const int tiles = (n + kTile - 1) / kTile;
-  const uint8_t* keys[kChunk];
-  const uint8_t* values[kChunk];
-  for (int j = 0; j < kChunk; ++j) {
-    keys[j] = k_origin + offsets[j];
-    values[j] = v_origin + offsets[j];
+void attend_chunk(const Queries& q, int64_t h, float* acc, float* run_max, float* run_sum, const Chunk& c,
+                  int64_t dim, Scratch& s) {
+  constexpr int T = G <= 6 ? 2 : 1;
+  const int tiles = (c.n + kTile - 1) / kTile;
+  for (int t0 = 0; t0 < tiles; t0 += T) {
+    __m512 sc[T][G];
+    if (T == 2 && t0 + 1 == tiles) {      // an odd last tile alone
+      __m512 one[1][G];
+      score_tiles<C, G, 1>(q, h, c, t0, dim, one);
+      for (int g = 0; g < G; ++g) sc[0][g] = one[0][g];
+    } else {
+      score_tiles<C, G, T>(q, h, c, t0, dim, sc);
+    }
+    for (int t = 0; t < std::min(T, tiles - t0); ++t) {
+      const __mmask16 real = first_lanes(c.n - (t0 + t) * kTile);
+      for (int g = 0; g < G; ++g)
+        _mm512_store_ps(s.scores[g] + (t0 + t) * kTile, _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), real, sc[t][g]));
+    }
   }
-  for (int i = 0; i < tiles; ++i)
-    score_tile<C, G>(q, h, keys + i * kTile, k_origin, offsets + i * kTile, dim, s.scores + i * kTile);
-  softmax_chunk<G>(s, n, tiles, run_max, run_sum);
   float step[kMaxBlocks];
-  value_weights<C, G>(s, v_origin, offsets, tiles, blocks, step);
-  add_values<C, G>(s, values, n, blocks, step, dim, acc, ahead);
+  const int64_t blocks = dim / kBlock;
+  weigh_chunk<C, G>(s, c, tiles, blocks, run_max, run_sum, step);
+  // the values' accumulators of up to 4 heads fit the registers (4 a head: GCC spilled all of them every
+  // step for 6); more take two passes over the chunk's values, the second from L1
+  constexpr int P = G <= 4 ? G : (G + 1) / 2;
+  for (int t = 0; t < tiles; ++t) prefetch_row(c.v_ahead[t], 0);
+  add_values<C, P>(s, c, 0, tiles, blocks, step, dim, acc);
+  if constexpr (P < G) add_values<C, G - P>(s, c, P, tiles, blocks, step, dim, acc);
 }
 
 // attend_chunk for the 1 to kMaxGroup query heads of (a part of) a GQA group.
 template <class C>
 void attend_group(int group, const Queries& q, int64_t h, float* acc, float* run_max, float* run_sum,
-                  const uint8_t* k_origin, const uint8_t* v_origin,
-                  const int32_t* offsets, int n, int64_t dim, Scratch& s, Prefetch ahead) {
+                  const Chunk& c, int64_t dim, Scratch& s) {
   switch (group) {
-#define PAGEDSERVE_GROUP(G)                                                                                    \
-  case G:                                                                                                      \
-    return attend_chunk<C, G>(q, h, acc, run_max, run_sum, k_origin, v_origin, offsets, n, dim, s, ahead);
+#define PAGEDSERVE_GROUP(G) \
+  case G: return attend_chunk<C, G>(q, h, acc, run_max, run_sum, c, dim, s);
     PAGEDSERVE_GROUP(1) PAGEDSERVE_GROUP(2) PAGEDSERVE_GROUP(3) PAGEDSERVE_GROUP(4)
     PAGEDSERVE_GROUP(5) PAGEDSERVE_GROUP(6) PAGEDSERVE_GROUP(7) PAGEDSERVE_GROUP(8)
 #undef PAGEDSERVE_GROUP

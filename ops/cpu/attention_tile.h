@@ -1,8 +1,7 @@
 // Register tiles of the decode attention (ops/cpu/paged_attention.cpp): one tile of up to 16 cached
 // positions of one kv head against the G query heads of its GQA group, scores, the online-softmax update
-// and the weighted sum of values, written once over the instruction sets of simd.h and the cache types: fp32,
-// bf16, fp16 values, or the q8_0 / q4_0 rows of kv_quant.h (addressed in bytes, Elem<C>, and dequantized by
-// load_kv as they are loaded).
+// and the weighted sum of values, written once over the instruction sets of simd.h and the cache types fp32,
+// bf16 and fp16 (quantized caches: attention_quant.h and attention_int8.h, which share softmax_tile).
 #pragma once
 
 #include <algorithm>
@@ -17,7 +16,6 @@ namespace pagedserve_cpu::attention {
 
 using namespace pagedserve_cpu::simd;
 using kv_quant::Elem;
-using kv_quant::kQuant;
 
 constexpr int kTile = 16;           // positions scored together (one transposing sum of 16 dot products)
 constexpr int kMaxGroup = 8;        // query heads per register tile; larger GQA groups take several passes
@@ -55,11 +53,8 @@ PAGEDSERVE_INLINE void prefetch_step(const Elem<C>* row, int64_t d) {
 
 // Values [d, d + 2W) of a cached row as two fp32 vectors (in simd.h's `lane` order).
 template <class S, class C>
-PAGEDSERVE_INLINE void load_kv(const Elem<C>* row, int64_t d, typename S::V& a, typename S::V& b) {
-  if constexpr (kQuant<C>)
-    kv_quant::load2_quant<S, C>(row, d, a, b);
-  else
-    S::load2(row + d, a, b);
+PAGEDSERVE_INLINE void load_kv(const C* row, int64_t d, typename S::V& a, typename S::V& b) {
+  S::load2(row + d, a, b);
 }
 
 // Keys [0, n) and their values of a later block, at the same 2W values as the keys being scored.
@@ -172,38 +167,26 @@ struct Scratch {
   float corr[kMaxGroup];
 };
 
-// `len` (<= kTile) keys of one kv head against G of its query heads, with the online-softmax update of
-// their running max / sum / accumulators (and the prefetch of a later block's slots, if `ahead_k`). The
-// softmax steps run for all G heads side by side: G independent dependency chains (sums, max, exp) that
-// overlap, where one head at a time would wait on each.
-template <class S, class C, int G>
-void attend_tile(const Query<S>* q, float* acc, float* run_max, float* run_sum, const Elem<C>* k,
-                 const Elem<C>* v, int64_t stride, int len, int64_t dim, float scale, Scratch<S>& s,
-                 const Elem<C>* ahead_k, const Elem<C>* ahead_v) {
+// The online-softmax update of G heads over one tile's scaled scores sc[g] (W keys per vector; keys from len
+// on get weight 0, whatever their score held): the running max and sum, each head's correction of its
+// accumulators in s.corr and the weights in s.p (as bf16 pairs in s.pairs for the dot-product set). The heads
+// run side by side: G independent dependency chains (sums, max, exp) that overlap, where one head at a time
+// would wait on each.
+template <class S, int G, int L>
+PAGEDSERVE_INLINE void softmax_tile(typename S::V (&sc)[G][L], int len, float* run_max, float* run_sum,
+                                    Scratch<S>& s) {
   using V = typename S::V;
-  constexpr int J = kKeys<S, G>, M = kTile / J, L = kTile / S::W;   // M key groups, L vectors of scores
-  const int used = (len + J - 1) / J;
-  for (int m = 0; m < used; ++m) {
-    const int64_t at = m * J * stride;
-    score_keys<S, C, G, J>(q, k + at, stride, std::min(J, len - m * J), dim, s.red + m * S::W, M,
-                           ahead_k ? ahead_k + at : ahead_k, ahead_v ? ahead_v + at : ahead_v);
-  }
-  V sc[G][L], top[G];
-  for (int g = 0; g < G; ++g) {
-    V parts[M];
-    for (int m = 0; m < M; ++m) parts[m] = m < used ? S::load(s.red + (g * M + m) * S::W) : S::zero();
-    for (int i = 0; i < L; ++i) {
-      fold_all<S, S::W / J, S::W / (2 * J)>(parts + i * (S::W / J));
-      sc[g][i] = S::mul(parts[i * (S::W / J)], S::set1(scale));
-    }
-  }
-  if (len < kTile) {                 // keys past the tile's end get weight 0
+  if (len < kTile) {
     alignas(64) float bias[kTile];
     std::fill(bias, bias + len, 0.f);
     std::fill(bias + len, bias + kTile, kNegInf);
     for (int i = 0; i < L; ++i)
-      for (int g = 0; g < G; ++g) sc[g][i] = S::add(sc[g][i], S::load(bias + i * S::W));
+      for (int g = 0; g < G; ++g) {
+        const V b = S::load(bias + i * S::W);
+        sc[g][i] = S::where_negative(b, b, sc[g][i]);
+      }
   }
+  V top[G];
   for (int g = 0; g < G; ++g) {
     top[g] = sc[g][0];
     for (int i = 1; i < L; ++i) top[g] = S::max(top[g], sc[g][i]);
@@ -230,6 +213,32 @@ void attend_tile(const Query<S>* q, float* acc, float* run_max, float* run_sum, 
     run_sum[g] = run_sum[g] * s.corr[g] + S::sum(total[g]);
     run_max[g] = m[g];
   }
+}
+
+// `len` (<= kTile) keys of one kv head against G of its query heads, with the online-softmax update of
+// their running max / sum / accumulators (and the prefetch of a later block's slots, if `ahead_k`).
+template <class S, class C, int G>
+void attend_tile(const Query<S>* q, float* acc, float* run_max, float* run_sum, const Elem<C>* k,
+                 const Elem<C>* v, int64_t stride, int len, int64_t dim, float scale, Scratch<S>& s,
+                 const Elem<C>* ahead_k, const Elem<C>* ahead_v) {
+  using V = typename S::V;
+  constexpr int J = kKeys<S, G>, M = kTile / J, L = kTile / S::W;   // M key groups, L vectors of scores
+  const int used = (len + J - 1) / J;
+  for (int m = 0; m < used; ++m) {
+    const int64_t at = m * J * stride;
+    score_keys<S, C, G, J>(q, k + at, stride, std::min(J, len - m * J), dim, s.red + m * S::W, M,
+                           ahead_k ? ahead_k + at : ahead_k, ahead_v ? ahead_v + at : ahead_v);
+  }
+  V sc[G][L];
+  for (int g = 0; g < G; ++g) {
+    V parts[M];
+    for (int m = 0; m < M; ++m) parts[m] = m < used ? S::load(s.red + (g * M + m) * S::W) : S::zero();
+    for (int i = 0; i < L; ++i) {
+      fold_all<S, S::W / J, S::W / (2 * J)>(parts + i * (S::W / J));
+      sc[g][i] = S::mul(parts[i * (S::W / J)], S::set1(scale));
+    }
+  }
+  softmax_tile<S, G, L>(sc, len, run_max, run_sum, s);
   constexpr int N = kValuePairs<S, G>;
   int64_t d0 = 0;
   if constexpr (kDotBf16<S>) {

@@ -1,6 +1,6 @@
-// Block-quantized K/V rows (q8_0, q4_0; the format is described in ops/kv_quant.py): quantizing a row as
-// write_kv stores it, the 32-point Walsh-Hadamard rotation of K (and of q in attention), and the vector
-// loads of the decode attention, which dequantize 2W values of a row into two fp32 vectors in order.
+// Block-quantized K/V rows (q8_0, q4_0) and the tiles a cache keeps them in (both described in
+// ops/kv_quant.py): quantizing a row into its tile as write_kv stores it, the 32-point Walsh-Hadamard rotation
+// of K (and of q in attention), and where the decode attention finds a tile's scales and values.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -32,18 +32,65 @@ constexpr bool kQuant = std::is_same_v<C, Q8_0> || std::is_same_v<C, Q4_0>;
 template <class C>
 using Elem = std::conditional_t<kQuant<C>, uint8_t, C>;
 
-// Where value d of a row starts, in bytes (for quantized rows: its share of the row, for prefetching).
+// Bytes of one value of a cache of C (fp caches only: quantized ones are read tile by tile).
 template <class C>
 constexpr int64_t byte_of(int64_t d) {
-  if constexpr (kQuant<C>)
-    return d * C::kBlockBytes / kBlock;
-  else
-    return d * static_cast<int64_t>(sizeof(C));
+  return d * static_cast<int64_t>(sizeof(C));
 }
 
-// x[0..32) times H / sqrt(32): five butterfly stages, then one multiply (ops/kv_quant.py's `rotate`, the same
-// operations in the same order, so write_kv stores the bytes the torch body stores).
+// A tile: kTile slots of one kv head, their scales first ([dim / 32][kTile] fp16, `scale_of`), then their
+// values from `values_of(dim)` in 64-byte rows, in the K order (a slot per 32-bit word) or the V order (a
+// value per 32-bit word, 4 slots in it).
+constexpr int kTile = 16;
+constexpr int64_t kRow = 64;
+template <class F>
+constexpr int64_t tile_bytes(int64_t dim) {
+  return kTile * dim / kBlock * F::kBlockBytes;
+}
+constexpr int64_t scale_of(int64_t b, int j) { return (b * kTile + j) * 2; }
+constexpr int64_t values_of(int64_t dim) { return dim / kBlock * kTile * 2; }
+// The K row of 4 values (q8_0: values 4r..4r+3 of the head; q4_0: nibble pairs 4r..4r+3 of block b) and the
+// V row of 16 values (q8_0: values 16r..16r+15; q4_0: the 16 nibble pairs of block r) of slots 4 * quad ..
+template <class F>
+constexpr int64_t k_row(int64_t dim, int64_t b, int64_t r) {
+  return values_of(dim) + (std::is_same_v<F, Q8_0> ? 8 * b + r : 4 * b + r) * kRow;
+}
+constexpr int64_t v_row(int64_t dim, int64_t r, int quad) { return values_of(dim) + (r * (kTile / 4) + quad) * kRow; }
+
+// Block b of a row (bytes[kBlockBytes], as quantize_block writes it) into slot j of its tile.
+template <class F, bool K>
+inline void store_block(uint8_t* tile, int64_t dim, int j, int64_t b, const uint8_t* bytes) {
+  std::memcpy(tile + scale_of(b, j), bytes, 2);
+  constexpr int kBytes = F::kBlockBytes - 2;       // 32 values (q8_0) or 16 nibble pairs (q4_0)
+  if constexpr (K) {
+    for (int r = 0; r < kBytes / 4; ++r) std::memcpy(tile + k_row<F>(dim, b, r) + j * 4, bytes + 2 + 4 * r, 4);
+  } else {
+    for (int u = 0; u < kBytes; ++u) {
+      const int64_t r = std::is_same_v<F, Q8_0> ? 2 * b + u / 16 : b;
+      tile[v_row(dim, r, j / 4) + u % 16 * 4 + j % 4] = bytes[2 + u];
+    }
+  }
+}
+
+// x[0..32) times H / sqrt(32): five butterfly stages (pairs (j, j + h) -> (a + b, a - b) for h = 1, 2, 4, 8,
+// 16), then one multiply: ops/kv_quant.py's `rotate`, the same operations in the same order (the vector sets
+// pair each lane with its partner's lane), so write_kv stores the bytes the torch body stores.
 inline void rotate_block(float* x) {
+  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(kBlock)));
+#ifdef PAGEDSERVE_AVX512
+  __m512 v[2] = {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)};
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int h = 1; h < 16; h *= 2) {
+    const __m512i partner = _mm512_xor_si512(lane, _mm512_set1_epi32(h));
+    const __mmask16 second = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(h));    // lanes j + h: a - b
+    for (__m512& y : v) {
+      const __m512 other = _mm512_permutexvar_ps(partner, y);
+      y = _mm512_mask_sub_ps(_mm512_add_ps(y, other), second, other, y);
+    }
+  }
+  _mm512_storeu_ps(x, _mm512_mul_ps(_mm512_add_ps(v[0], v[1]), _mm512_set1_ps(norm)));
+  _mm512_storeu_ps(x + 16, _mm512_mul_ps(_mm512_sub_ps(v[0], v[1]), _mm512_set1_ps(norm)));
+#else
   for (int h = 1; h < kBlock; h *= 2)
     for (int i = 0; i < kBlock; i += 2 * h)
       for (int j = i; j < i + h; ++j) {
@@ -51,8 +98,8 @@ inline void rotate_block(float* x) {
         x[j] = a + b;
         x[j + h] = a - b;
       }
-  const float norm = static_cast<float>(1.0 / std::sqrt(static_cast<double>(kBlock)));
   for (int i = 0; i < kBlock; ++i) x[i] *= norm;
+#endif
 }
 
 inline float half_bits_to_float(const uint8_t* p) {
@@ -91,68 +138,42 @@ inline void quantize_block(const float* x, uint8_t* out) {
   }
 }
 
-// Value d of a row, dequantized (the scalar set's loads).
-template <class F>
-PAGEDSERVE_INLINE float value_at(const uint8_t* row, int64_t d) {
-  const uint8_t* block = row + d / kBlock * F::kBlockBytes;
-  const int i = static_cast<int>(d % kBlock);
-  if constexpr (std::is_same_v<F, Q8_0>) return half_bits_to_float(block) * static_cast<int8_t>(block[2 + i]);
-  const uint8_t byte = block[2 + i % (kBlock / 2)];
-  return half_bits_to_float(block) * static_cast<float>((i < kBlock / 2 ? byte & 0x0F : byte >> 4) - 8);
-}
-
-#ifdef PAGEDSERVE_AVX2
-// The block's fp16 scale at p in every lane: a broadcast load and one conversion (where converting one
-// value and broadcasting it takes four instructions).
-PAGEDSERVE_INLINE __m256 scale8(const uint8_t* p) {
-  int16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return _mm256_cvtph_ps(_mm_set1_epi16(bits));
-}
-
-// 16 nibbles of `bytes` as int8 values - 8: the low nibbles (values 0..15 of a q4_0 block) or the high ones
-PAGEDSERVE_INLINE __m128i nibbles(__m128i bytes, bool high) {
-  const __m128i n = _mm_and_si128(high ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0F));
-  return _mm_sub_epi8(n, _mm_set1_epi8(8));
-}
-#endif
-
-// The 2W values [d, d + 2W) of a quantized row as two fp32 vectors in order (d a multiple of 2W; the
-// sets' 2W divides 32, so they lie in one block): int8 values widened, times the block's scale.
+// W slots' (K order) or W values' (V order) values from the W 32-bit words at p, as fp32 lanes: byte c of each
+// word (q8_0: an int8) or, for q4_0, its low or high nibble less 8.
 template <class S, class F>
-PAGEDSERVE_INLINE void load2_quant(const uint8_t* row, int64_t d, typename S::V& a, typename S::V& b) {
-  const uint8_t* block = row + d / kBlock * F::kBlockBytes;
-  const int off = static_cast<int>(d % kBlock);
+PAGEDSERVE_INLINE typename S::V word_lanes(const uint8_t* p, int c, bool high) {
   if constexpr (S::W == 1) {
-    a = value_at<F>(row, d);
-    b = value_at<F>(row, d + 1);
+    if constexpr (std::is_same_v<F, Q8_0>) return static_cast<float>(static_cast<int8_t>(p[c]));
+    return static_cast<float>((high ? p[c] >> 4 : p[c] & 0x0F) - 8);
 #ifdef PAGEDSERVE_AVX2
   } else if constexpr (S::W == 8) {
-    const __m256 s = scale8(block);
-    __m128i q;
-    if constexpr (std::is_same_v<F, Q8_0>)
-      q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + off));
-    else
-      q = nibbles(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2)), off != 0);
-    a = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s);
-    b = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), s);
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<F, Q8_0>) return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 24 - 8 * c), 24));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(
+        _mm256_and_si256(_mm256_srli_epi32(x, 8 * c + (high ? 4 : 0)), _mm256_set1_epi32(0x0F)), _mm256_set1_epi32(8)));
 #endif
 #ifdef PAGEDSERVE_AVX512
-  } else if constexpr (S::W == 16) {
-    int16_t bits;
-    std::memcpy(&bits, block, sizeof bits);
-    const __m512 s = _mm512_cvtph_ps(_mm256_set1_epi16(bits));
-    __m128i lo, hi;
-    if constexpr (std::is_same_v<F, Q8_0>) {
-      lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-      hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + kBlock / 2));
-    } else {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-      lo = nibbles(bytes, false);
-      hi = nibbles(bytes, true);
-    }
-    a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), s);
-    b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), s);
+  } else {
+    const __m512i x = _mm512_loadu_si512(p);
+    if constexpr (std::is_same_v<F, Q8_0>) return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 24 - 8 * c), 24));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(
+        _mm512_and_si512(_mm512_srli_epi32(x, 8 * c + (high ? 4 : 0)), _mm512_set1_epi32(0x0F)), _mm512_set1_epi32(8)));
+#endif
+  }
+}
+
+// W consecutive fp16 scales at p as fp32 lanes.
+template <class S>
+PAGEDSERVE_INLINE typename S::V scale_lanes(const uint8_t* p) {
+  if constexpr (S::W == 1) {
+    return half_bits_to_float(p);
+#ifdef PAGEDSERVE_AVX2
+  } else if constexpr (S::W == 8) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+#ifdef PAGEDSERVE_AVX512
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #endif
   }
 }

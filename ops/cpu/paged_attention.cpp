@@ -1,12 +1,11 @@
 // Decode rows of pagedserve::paged_attention (one new token per row) against the paged K/V cache, for K/V
-// stored as fp32, bf16 or fp16, or as q8_0 / q4_0 rows (kv_quant.h): each K/V vector is widened (or
-// dequantized: int8 widened, times its block's scale) to fp32 in registers as it is read, and the softmax and
-// accumulators stay in fp32. Quantized K is stored rotated (a 32-point Hadamard transform per block), so the
-// queries are rotated the same way as they are staged; V is not rotated, so outputs need nothing. bf16
-// queries against a bf16 cache use the bf16 dot products where the CPU has them (simd.h's Avx512Bf16). A
-// quantized cache on a CPU with AVX-512 VNNI is read by attention_int8.h instead: integer dot products
-// over chunks of 64 positions (run_int8), where widening every value to fp32 kept the FMA ports, not
-// memory, the limit.
+// stored as fp32, bf16 or fp16 (each K/V vector widened to fp32 in registers as it is read; attention_tile.h),
+// or as q8_0 / q4_0 rows kept in tiles of 16 slots of one kv head (kv_quant.h): on CPUs with AVX-512 VNNI read
+// with integer dot products a chunk of 4 tiles at a time (attention_int8.h, run_int8), elsewhere dequantized
+// to fp32 in registers tile by tile (attention_quant.h, run_quant). The softmax and accumulators stay in fp32.
+// Quantized K is stored rotated (a 32-point Hadamard transform per block), so the queries are rotated the
+// same way as they are staged; V is not rotated, so outputs need nothing. bf16 queries against a bf16 cache
+// use the bf16 dot products where the CPU has them (simd.h's Avx512Bf16).
 //
 // A row of several new tokens (up to the caller's `max_tokens`: speculative verify rows, and on AVX-512 CPUs
 // prefill chunks) is attended as one decode row per token, each over the context its token sees (causal):
@@ -18,21 +17,21 @@
 // keeps every core busy and ragged rows balance. A piece keeps a running max, sum and unnormalised output
 // per query head; the pieces of a row that was cut are merged at the end.
 // Within a piece the kernel walks the row's blocks; for each kv head it scores and accumulates the G query
-// heads of the GQA group together (attention_tile.h: register tiles of G heads x a few keys), so K/V come
-// from memory once, while a later block is prefetched (block tables scatter blocks, which the hardware
-// prefetcher cannot follow). Queries and outputs are kept in the lane order of simd.h's `lane`.
+// heads of the GQA group together (register tiles of G heads x a few keys), so K/V come from memory once,
+// while a later block is prefetched (block tables scatter blocks, which the hardware prefetcher cannot
+// follow). Queries and outputs are kept in the lane order of simd.h's `lane`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <vector>
 
 #include "attention_int8.h"
+#include "attention_quant.h"
 #include "attention_rows.h"
 #include "attention_tile.h"
 
@@ -40,6 +39,8 @@ namespace {
 
 using namespace pagedserve_cpu::attention;
 namespace kv_quant = pagedserve_cpu::kv_quant;
+namespace attention_quant = pagedserve_cpu::attention_quant;
+using kv_quant::kQuant;
 #ifdef PAGEDSERVE_INT8_DOT
 namespace attention_int8 = pagedserve_cpu::attention_int8;
 #endif
@@ -78,8 +79,10 @@ constexpr bool kInt8 = std::is_same_v<S, Int8Dot>;
 
 template <class S, class C>
 struct Decode {
-  const void* q;         // [T, Hq, D], fp32 (bf16 for the dot-product set)
-  float* out;            // [T, Hq, D] fp32
+  const void* q;         // [T, Hq, D], fp32 or bf16 (bf16 for the dot-product set)
+  void* out;             // [T, Hq, D], q's dtype
+  bool bf16;             // q's and out's dtype: bf16, else fp32 (read and written here, where ATen's
+                         // conversions before and after the call cost more than a long row's merge)
   const Elem<C>* k_cache;
   const Elem<C>* v_cache;
   Cache cache;
@@ -90,38 +93,59 @@ struct Decode {
   int64_t width, q_heads, kv_heads;
   float scale;
 
+  // Value i of q (bf16 values convert exactly).
+  float query(int64_t i) const {
+    return bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(q)[i]) : static_cast<const float*>(q)[i];
+  }
+
+  // Stores value i of the output, rounded to bf16 (to nearest even, as Tensor.to rounds) for bf16 queries.
+  void put(int64_t i, float x) const {
+    if (bf16)
+      static_cast<c10::BFloat16*>(out)[i] = c10::BFloat16(x);
+    else
+      static_cast<float*>(out)[i] = x;
+  }
+
   // The row's queries in the keys' lane order (bf16 dot products pair keys and queries as stored).
   void stage(int64_t row, std::vector<Query<S>>& qs, Int8Queries& qi) const {
-    const int64_t dim = cache.dim, n = q_heads * dim;
-    const auto* src = static_cast<const Query<S>*>(q) + static_cast<int64_t>(tokens[row]) * n;
+    const int64_t dim = cache.dim, n = q_heads * dim, first = static_cast<int64_t>(tokens[row]) * n;
     qs.resize(n);
     for (int64_t h = 0; h < q_heads; ++h)
-      for (int64_t d = 0; d < dim; ++d) qs[h * dim + (kDotBf16<S> ? d : lane<S, C>(d))] = src[h * dim + d];
-    if constexpr (kQuant<C>) {    // like K, block by block (lanes are in order for quantized rows)
-      float x[kv_quant::kBlock];
-      for (int64_t at = 0; at < n; at += kv_quant::kBlock) {
-        for (int i = 0; i < kv_quant::kBlock; ++i) x[i] = static_cast<float>(qs[at + i]);
-        kv_quant::rotate_block(x);
-        for (int i = 0; i < kv_quant::kBlock; ++i) qs[at + i] = static_cast<Query<S>>(x[i]);
-      }
-    }
+      for (int64_t d = 0; d < dim; ++d)
+        qs[h * dim + (kDotBf16<S> ? d : lane<S, C>(d))] = static_cast<Query<S>>(query(first + h * dim + d));
+    if constexpr (kQuant<C>)      // like K, block by block (lanes are in order for quantized rows; Query is fp32)
+      for (int64_t at = 0; at < n; at += kv_quant::kBlock) kv_quant::rotate_block(qs.data() + at);
 #ifdef PAGEDSERVE_INT8_DOT
     if constexpr (kInt8<S>) attention_int8::quantize_queries<C>(qs.data(), q_heads, dim, scale, qi);
 #endif
   }
 
-  // Blocks [first, last) of `row` into `st` (already reset).
+  const int32_t* table_of(int64_t row) const { return table + static_cast<int64_t>(table_rows[row]) * width; }
+
+  // The row's block for position `pos`, checked against the cache (a bad entry fails the call).
+  int64_t block_at(const int32_t* blocks, int64_t pos) const {
+    const int64_t block = blocks[pos / cache.block_size];
+    TORCH_CHECK(block >= 0 && block < cache.num_blocks, "pagedserve::paged_attention: block_tables entry ",
+                block, " for position ", pos, " is outside the cache's ", cache.num_blocks, " blocks");
+    return block;
+  }
+
+  // The block for position `pos` of a row of `len` positions if there is one (prefetching: past the piece
+  // too, but not past the row; a bad entry is reported on its turn), else -1.
+  int64_t block_ahead(const int32_t* blocks, int64_t pos, int64_t len) const {
+    if (pos >= len) return -1;
+    const int64_t block = blocks[pos / cache.block_size];
+    return block >= 0 && block < cache.num_blocks ? block : -1;
+  }
+
+  // Blocks [first, last) of `row` into `st` (already reset): fp caches.
   void run(int64_t row, int64_t first, int64_t last, const Query<S>* qs, Partial& st, Scratch<S>& scratch) const {
     const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads, ctx = lens[row];
-    const int32_t* blocks = table + static_cast<int64_t>(table_rows[row]) * width;
+    const int32_t* blocks = table_of(row);
     const int64_t block_bytes = 2 * kv_heads * bs * kv_quant::byte_of<C>(dim);
     const int64_t ahead_blocks = std::clamp<int64_t>(kAheadBytes / block_bytes, 2, 8);
     for (int64_t b = first; b < last; ++b) {
-      const int64_t block = blocks[b];
-      TORCH_CHECK(block >= 0 && block < cache.num_blocks, "pagedserve::paged_attention: block_tables entry ",
-                  block, " for position ", b * bs, " is outside the cache's ", cache.num_blocks, " blocks");
-      const int64_t next = (b + ahead_blocks) * bs < ctx ? blocks[b + ahead_blocks] : -1;   // past the piece too
-      const bool ahead = next >= 0 && next < cache.num_blocks;     // a bad entry is reported on its turn
+      const int64_t block = block_at(blocks, b * bs), next = block_ahead(blocks, (b + ahead_blocks) * bs, ctx);
       const int len = static_cast<int>(std::min(bs, ctx - b * bs));
       for (int64_t kv = 0; kv < kv_heads; ++kv) {
         const int64_t base = block * cache.block_stride + kv * cache.head_stride;
@@ -131,7 +155,7 @@ struct Decode {
           const int64_t tile = base + t0 * cache.slot_stride, tile_ahead = base_ahead + t0 * cache.slot_stride;
           for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
             const int64_t h = kv * group + g0;
-            const bool fetch = ahead && g0 == 0;
+            const bool fetch = next >= 0 && g0 == 0;
             attend_group<S, C>(static_cast<int>(std::min<int64_t>(kMaxGroup, group - g0)), qs + h * dim,
                                st.acc.data() + h * dim, st.max.data() + h, st.sum.data() + h, k_cache + tile,
                                v_cache + tile, cache.slot_stride, n, dim, scale, scratch,
@@ -142,57 +166,73 @@ struct Decode {
     }
   }
 
+  // Where the tile of position `pos` of kv head `kv` starts in block `block`.
+  int64_t tile_at(int64_t block, int64_t pos, int64_t kv) const {
+    const int64_t tiles = cache.block_size / kv_quant::kTile, tile = pos % cache.block_size / kv_quant::kTile;
+    return block * cache.block_stride + (kv * tiles + tile) * kv_quant::tile_bytes<C>(cache.dim);
+  }
+
+  // run() for a quantized cache on the fp32 sets: tile by tile, each tile's K and V in a later block
+  // prefetched whole as it starts.
+  void run_quant(int64_t row, int64_t first, int64_t last, const float* qs, Partial& st,
+                 attention_quant::Scratch<S>& scratch) const {
+    const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads, ctx = lens[row];
+    const int32_t* blocks = table_of(row);
+    const int64_t tile_bytes = kv_quant::tile_bytes<C>(dim);
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t block = block_at(blocks, b * bs), next = block_ahead(blocks, (b + 2) * bs, ctx);
+      const int len = static_cast<int>(std::min(bs, ctx - b * bs));
+      for (int64_t kv = 0; kv < kv_heads; ++kv)
+        for (int t0 = 0; t0 < len; t0 += kv_quant::kTile) {
+          if (next >= 0)
+            for (int64_t at = 0; at < tile_bytes; at += 64)
+              for (const Elem<C>* c : {k_cache, v_cache}) S::prefetch(c + tile_at(next, t0, kv) + at);
+          const int64_t tile = tile_at(block, t0, kv);
+          for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+            const int64_t h = kv * group + g0;
+            attention_quant::attend_group<S, C>(static_cast<int>(std::min<int64_t>(kMaxGroup, group - g0)),
+                                                qs + h * dim, st.acc.data() + h * dim, st.max.data() + h,
+                                                st.sum.data() + h, k_cache + tile, v_cache + tile,
+                                                std::min(kv_quant::kTile, len - t0), dim, scale, scratch);
+          }
+        }
+    }
+  }
+
 #ifdef PAGEDSERVE_INT8_DOT
-  // run() for the integer-dot set: positions in chunks of 64 (across cache blocks), each kv head's rows
-  // addressed by byte offsets from the cache's start (the caller checked they fit 32 bits); the slots of
-  // the chunk after next are prefetched into L2 while this one is read, spread over its calls.
+  // run() for the integer-dot set: positions in chunks of 4 tiles, each kv head's chunk in turn, the tiles
+  // two chunks on prefetched as these are read.
   void run_int8(int64_t row, int64_t first, int64_t last, const Int8Queries& qi, Partial& st,
                 Int8Scratch& s) const {
     using attention_int8::kChunk;
-    const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads;
-    const int32_t* table_row = table + static_cast<int64_t>(table_rows[row]) * width;
-    const int64_t lo = first * bs, hi = std::min<int64_t>(last * bs, lens[row]), row_end = lens[row];
-    const auto slot_of = [&](int64_t pos) {
-      const int64_t block = table_row[pos / bs];
-      TORCH_CHECK(block >= 0 && block < cache.num_blocks, "pagedserve::paged_attention: block_tables entry ",
-                  block, " for position ", pos, " is outside the cache's ", cache.num_blocks, " blocks");
-      return block * cache.block_stride + pos % bs * cache.slot_stride;
-    };
-    alignas(64) int32_t offsets[kChunk];
-    std::vector<const char*> lines;
+    const attention_int8::FlushDenormals flush;
+    const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads, ctx = lens[row];
+    const int32_t* blocks = table_of(row);
+    const int64_t lo = first * bs, hi = std::min<int64_t>(last * bs, ctx);
+    const auto* k = reinterpret_cast<const uint8_t*>(k_cache);
+    const auto* v = reinterpret_cast<const uint8_t*>(v_cache);
     for (int64_t p0 = lo; p0 < hi; p0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, hi - p0));
-      lines.clear();
-      // a block's run of slots at a time, past the piece's end too
-      for (int64_t pos = p0 + 2 * kChunk; pos < std::min(row_end, p0 + 3 * kChunk);) {
-        const int64_t block = table_row[pos / bs], end = std::min({row_end, p0 + 3 * kChunk, (pos / bs + 1) * bs});
-        if (block >= 0 && block < cache.num_blocks) {       // a bad entry is reported on its turn
-          const int64_t from = block * cache.block_stride + pos % bs * cache.slot_stride;
-          const int64_t bytes = (end - pos) * cache.slot_stride;
-          for (int64_t at = 0; at < bytes + 63; at += 64) {
-            const int64_t line = from + std::min(at, bytes - 1);
-            lines.push_back(reinterpret_cast<const char*>(k_cache + line));
-            lines.push_back(reinterpret_cast<const char*>(v_cache + line));
-          }
-        }
-        pos = end;
+      int64_t here[attention_int8::kChunkTiles], ahead[attention_int8::kChunkTiles];
+      for (int t = 0; t < attention_int8::kChunkTiles; ++t) {
+        const int64_t pos = p0 + t * kv_quant::kTile;
+        here[t] = pos < p0 + n ? block_at(blocks, pos) : -1;
+        ahead[t] = block_ahead(blocks, pos + 2 * kChunk, ctx);
       }
-      const int passes = static_cast<int>((group + attention_int8::kMaxGroup - 1) / attention_int8::kMaxGroup);
-      const int calls = static_cast<int>(kv_heads) * passes;
-      int call = 0;
-      int64_t slots[kChunk];
-      for (int j = 0; j < n; ++j) slots[j] = slot_of(p0 + j);
       for (int64_t kv = 0; kv < kv_heads; ++kv) {
-        for (int j = 0; j < kChunk; ++j)
-          offsets[j] = static_cast<int32_t>(slots[j < n ? j : 0] + kv * cache.head_stride);
+        attention_int8::Chunk c{};
+        c.n = n;
+        for (int t = 0; t < attention_int8::kChunkTiles; ++t) {
+          const int64_t pos = p0 + t * kv_quant::kTile;
+          if (here[t] >= 0) c.k[t] = k + tile_at(here[t], pos, kv), c.v[t] = v + tile_at(here[t], pos, kv);
+          if (ahead[t] >= 0)
+            c.k_ahead[t] = k + tile_at(ahead[t], pos, kv), c.v_ahead[t] = v + tile_at(ahead[t], pos, kv);
+        }
         for (int64_t g0 = 0; g0 < group; g0 += attention_int8::kMaxGroup) {
           const int64_t h = kv * group + g0;
-          const int share = static_cast<int>(lines.size()) / calls, at = share * call++;
-          const attention_int8::Prefetch ahead{lines.data() + at,
-                                               call == calls ? static_cast<int>(lines.size()) - at : share};
           attention_int8::attend_group<C>(static_cast<int>(std::min<int64_t>(attention_int8::kMaxGroup, group - g0)),
-                                          qi, h, st.acc.data() + h * dim, st.max.data() + h, st.sum.data() + h,
-                                          k_cache, v_cache, offsets, n, dim, s, ahead);
+                                          qi, h, st.acc.data() + h * dim, st.max.data() + h, st.sum.data() + h, c,
+                                          dim, s);
         }
       }
     }
@@ -200,28 +240,27 @@ struct Decode {
 #endif
 
   void finish(int64_t row, const Partial& st) const {
-    const int64_t dim = cache.dim;
-    float* o = out + static_cast<int64_t>(tokens[row]) * q_heads * dim;
+    const int64_t dim = cache.dim, first = static_cast<int64_t>(tokens[row]) * q_heads * dim;
     for (int64_t h = 0; h < q_heads; ++h) {
       const float inv = 1.f / st.sum[h];
-      for (int64_t d = 0; d < dim; ++d) o[h * dim + d] = st.acc[h * dim + lane<S, C>(d)] * inv;
+      for (int64_t d = 0; d < dim; ++d) put(first + h * dim + d, st.acc[h * dim + lane<S, C>(d)] * inv);
     }
   }
 
   // A row's output from the pieces it was cut into (parts of one softmax, rescaled to a common max).
   void merge(int64_t row, const std::vector<const Partial*>& parts) const {
-    const int64_t dim = cache.dim;
-    float* o = out + static_cast<int64_t>(tokens[row]) * q_heads * dim;
+    const int64_t dim = cache.dim, first = static_cast<int64_t>(tokens[row]) * q_heads * dim;
+    std::vector<float> o(dim);
     for (int64_t h = 0; h < q_heads; ++h) {
       float m = kNegInf, total = 0.f;
       for (const Partial* p : parts) m = std::max(m, p->max[h]);
-      std::fill(o + h * dim, o + (h + 1) * dim, 0.f);
+      std::fill(o.begin(), o.end(), 0.f);
       for (const Partial* p : parts) {
         const float w = exp_nonpositive<Scalar>(p->max[h] - m);
         total += p->sum[h] * w;
-        for (int64_t d = 0; d < dim; ++d) o[h * dim + d] += p->acc[h * dim + lane<S, C>(d)] * w;
+        for (int64_t d = 0; d < dim; ++d) o[d] += p->acc[h * dim + lane<S, C>(d)] * w;
       }
-      for (int64_t d = 0; d < dim; ++d) o[h * dim + d] /= total;
+      for (int64_t d = 0; d < dim; ++d) put(first + h * dim + d, o[d] / total);
     }
   }
 
@@ -245,6 +284,7 @@ struct Decode {
     std::vector<Partial> partial(total);             // the pieces of rows that were cut
     at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
       Scratch<S> scratch{};
+      attention_quant::Scratch<S> scratch_quant;
       Int8Scratch scratch8;
       Partial st;
       std::vector<Query<S>> qs;
@@ -267,6 +307,9 @@ struct Decode {
             run_int8(row, from, to, qi, target, scratch8);
           else
 #endif
+          if constexpr (kQuant<C>)
+            run_quant(row, from, to, qs.data(), target, scratch_quant);
+          else
             run(row, from, to, qs.data(), target, scratch);
           if (whole) finish(row, st);
         }
@@ -287,9 +330,9 @@ void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
             const DecodeRows& rows, const at::Tensor& tables, double scale, int64_t pieces, int64_t lanes) {
   const Cache cache{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.size(0), k_cache.size(1),
                     q.size(2)};
-  auto run = [&](auto isa, const at::Tensor& queries) {
+  auto run = [&](auto isa) {
     using S = decltype(isa);
-    const Decode<S, C> job{queries.data_ptr(), out.data_ptr<float>(),
+    const Decode<S, C> job{q.data_ptr(), out.data_ptr(), q.scalar_type() == at::kBFloat16,
                            static_cast<const Elem<C>*>(k_cache.data_ptr()),
                            static_cast<const Elem<C>*>(v_cache.data_ptr()), cache, rows.tokens.data(),
                            rows.lens.data(), rows.table_rows.data(), tables.data_ptr<int32_t>(), tables.size(1),
@@ -301,31 +344,30 @@ void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
   const auto fits = [&](int width) { return cache.dim % (2 * width) == 0 && (lanes <= 0 || width <= lanes); };
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
   if constexpr (std::is_same_v<C, c10::BFloat16>)
-    if (q.scalar_type() == at::kBFloat16 && fits(Avx512::W)) return run(Avx512Bf16{}, q);
+    if (q.scalar_type() == at::kBFloat16 && fits(Avx512::W)) return run(Avx512Bf16{});
 #endif
-  const auto qf = q.to(at::kFloat);
 #ifdef PAGEDSERVE_INT8_DOT
-  // (lanes 16 asks for the fp32 set below; byte offsets into the cache are 32-bit)
+  // (lanes 16 asks for the fp32 set below)
   if constexpr (kQuant<C>)
-    if (fits(Avx512::W) && lanes != Avx512::W && cache.dim <= attention_int8::kMaxBlocks * kv_quant::kBlock &&
-        k_cache.numel() < std::numeric_limits<int32_t>::max())
-      return run(Int8Dot{}, qf);
+    if (fits(Avx512::W) && lanes != Avx512::W && cache.dim <= attention_int8::kMaxBlocks * kv_quant::kBlock)
+      return run(Int8Dot{});
 #endif
 #ifdef PAGEDSERVE_AVX512
-  if (fits(Avx512::W)) return run(Avx512{}, qf);
+  if (fits(Avx512::W)) return run(Avx512{});
 #endif
 #ifdef PAGEDSERVE_AVX2
-  if (fits(Avx2::W)) return run(Avx2{}, qf);
+  if (fits(Avx2::W)) return run(Avx2{});
 #endif
-  run(Scalar{}, qf);
+  run(Scalar{});
 }
 
 // Output like q, zero except the rows with 1 to `max_tokens` new tokens (decode rows, verify rows), which
 // get their attention, and prefill_rows' count (with -1 the output is all zeros).
-// q: [T, Hq, D] fp32 or bf16, contiguous; caches [NB, BS, Hk, D] fp32, bf16 or fp16 with unit stride in D,
-// D even, or uint8 [NB, BS, Hk, row bytes] of q8_0 / q4_0 rows (D a multiple of 32; the row bytes say
-// which; K stored rotated). `pieces` > 0 cuts each row into that many pieces
-// (tests force cuts on small inputs); `lanes` > 0 caps the vector width (tests run the narrower sets).
+// q: [T, Hq, D] fp32 or bf16, contiguous (out has its dtype, the kernel's fp32 results rounded to it); caches
+// [NB, BS, Hk, D] fp32, bf16 or fp16 with unit stride in D, D even, or contiguous uint8 [NB, BS, Hk, row bytes]
+// of q8_0 / q4_0 rows in tiles (D a multiple of 32; the row bytes say which; K stored rotated). `pieces` > 0
+// cuts each row into that many pieces (tests force cuts on small inputs); `lanes` > 0 caps the vector width
+// (tests run the narrower sets).
 std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                                        const at::Tensor& v_cache, const at::Tensor& query_start_loc,
                                                        const at::Tensor& context_lens, const at::Tensor& block_tables,
@@ -338,14 +380,17 @@ std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, cons
                   v_cache.scalar_type() == k_cache.scalar_type() && dim % 2 == 0,
               "pagedserve_cpu::paged_attention_decode: the caches must share dtype and strides, with unit "
               "stride in an even head_dim");
-  TORCH_CHECK(q.is_contiguous() && q.size(1) % k_cache.size(2) == 0 &&
+  TORCH_CHECK(q.is_contiguous() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  q.size(1) % k_cache.size(2) == 0 &&
                   (quantized ? dim % kv_quant::kBlock == 0 &&
                                    (k_cache.size(3) == q8_bytes ||
-                                    k_cache.size(3) == dim / kv_quant::kBlock * kv_quant::Q4_0::kBlockBytes)
+                                    k_cache.size(3) == dim / kv_quant::kBlock * kv_quant::Q4_0::kBlockBytes) &&
+                                   k_cache.is_contiguous() && k_cache.size(1) % kv_quant::kTile == 0
                              : dim == k_cache.size(3)),
-              "pagedserve_cpu::paged_attention_decode: q must be contiguous, its heads a multiple of the "
-              "cache's kv heads, with the cache's head_dim (a multiple of 32 in q8_0 or q4_0 rows)");
-  auto out = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+              "pagedserve_cpu::paged_attention_decode: q must be contiguous fp32 or bf16, its heads a multiple "
+              "of the cache's kv heads, with the cache's head_dim (a multiple of 32 in q8_0 or q4_0 rows, in a "
+              "contiguous cache of blocks of a multiple of 16 slots)");
+  auto out = at::zeros(q.sizes(), q.options());
   const auto qsl = query_start_loc.contiguous();
   const auto ctx = context_lens.contiguous();
   const auto tables = block_tables.contiguous();
@@ -353,7 +398,7 @@ std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, cons
   const int32_t* lens = ctx.data_ptr<int32_t>();
   const int64_t prefill = prefill_rows(starts, lens, ctx.size(0), tables.size(1) * k_cache.size(1), q.size(0),
                                        max_tokens);
-  if (prefill < 0) return {out.to(q.scalar_type()), prefill};
+  if (prefill < 0) return {out, prefill};
   const DecodeRows rows(starts, lens, ctx.size(0), max_tokens);
   switch (k_cache.scalar_type()) {
     case at::kFloat: decode<float>(q, out, k_cache, v_cache, rows, tables, scale, pieces, lanes); break;
@@ -371,7 +416,7 @@ std::tuple<at::Tensor, int64_t> paged_attention_decode(const at::Tensor& q, cons
       TORCH_CHECK(false, "pagedserve_cpu::paged_attention_decode: K/V cache dtype ", k_cache.scalar_type(),
                   " has no kernel; allowed: float32, bfloat16, float16, uint8 (q8_0, q4_0)");
   }
-  return {out.to(q.scalar_type()), prefill};
+  return {out, prefill};
 }
 
 }  // namespace

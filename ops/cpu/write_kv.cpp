@@ -1,7 +1,8 @@
 // pagedserve::write_kv: copy each token's K and V rows into its cache slot, converted to the cache's storage
 // dtype (a memcpy per (token, head) when the dtypes match; else through fp32, rounding to nearest even as
 // Tensor.to does, so the torch body and this kernel store the same bits). A uint8 cache of q8_0 / q4_0 rows
-// gets each row quantized block by block, K rotated first (kv_quant.h), again the torch body's bytes.
+// gets each row quantized block by block, K rotated first, its bytes stored where the slot's tile keeps them
+// (kv_quant.h), again the torch body's bytes.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -39,24 +40,31 @@ void write_rows(const at::Tensor& cache, const at::Tensor& rows, const int64_t* 
   }
 }
 
-// Rows of `rows` ([T, Hk, D]) quantized into the byte rows of a uint8 cache, rotated first for K.
+// Rows of `rows` ([T, Hk, D]) quantized into a contiguous uint8 cache's tiles: K (rotated first) or V.
 template <typename Src, class F>
-void quantize_rows(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens,
-                   bool rotate) {
+void quantize_rows(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens, bool k) {
+  namespace kv_quant = pagedserve_cpu::kv_quant;
   const int64_t heads = rows.size(1), dim = rows.size(2), block_size = cache.size(1);
+  const int64_t tile = kv_quant::tile_bytes<F>(dim), tiles = block_size / kv_quant::kTile;
   auto* dst = cache.data_ptr<uint8_t>();
   const auto* src = static_cast<const Src*>(rows.data_ptr());
   float x[kBlock];
+  uint8_t bytes[F::kBlockBytes];
   for (int64_t t = 0; t < tokens; ++t) {
     if (slot[t] < 0) continue;
     const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+    const int j = static_cast<int>(offset % kv_quant::kTile);
     for (int64_t h = 0; h < heads; ++h) {
       const Src* in = src + (t * heads + h) * dim;
-      uint8_t* out = dst + block * cache.stride(0) + offset * cache.stride(1) + h * cache.stride(2);
+      uint8_t* out = dst + block * cache.stride(0) + (h * tiles + offset / kv_quant::kTile) * tile;
       for (int64_t b = 0; b < dim / kBlock; ++b) {
         for (int i = 0; i < kBlock; ++i) x[i] = static_cast<float>(in[b * kBlock + i]);
-        if (rotate) pagedserve_cpu::kv_quant::rotate_block(x);
-        pagedserve_cpu::kv_quant::quantize_block<F>(x, out + b * F::kBlockBytes);
+        if (k) kv_quant::rotate_block(x);
+        kv_quant::quantize_block<F>(x, bytes);
+        if (k)
+          kv_quant::store_block<F, true>(out, dim, j, b, bytes);
+        else
+          kv_quant::store_block<F, false>(out, dim, j, b, bytes);
       }
     }
   }
@@ -64,16 +72,17 @@ void quantize_rows(const at::Tensor& cache, const at::Tensor& rows, const int64_
 
 template <typename Src>
 void write_from(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens,
-                bool rotate) {
+                bool k) {
   if (cache.scalar_type() == at::kByte) {
     const int64_t dim = rows.size(2);
-    TORCH_CHECK(dim % kBlock == 0, "pagedserve_cpu::write_kv: quantized rows need head_dim a multiple of ",
-                kBlock);
+    TORCH_CHECK(dim % kBlock == 0 && cache.size(1) % pagedserve_cpu::kv_quant::kTile == 0 && cache.is_contiguous(),
+                "pagedserve_cpu::write_kv: quantized rows need head_dim a multiple of ", kBlock,
+                " in a contiguous cache of blocks of a multiple of ", pagedserve_cpu::kv_quant::kTile, " slots");
     if (cache.size(3) == dim / kBlock * Q8_0::kBlockBytes)
-      return quantize_rows<Src, Q8_0>(cache, rows, slot, tokens, rotate);
+      return quantize_rows<Src, Q8_0>(cache, rows, slot, tokens, k);
     TORCH_CHECK(cache.size(3) == dim / kBlock * Q4_0::kBlockBytes, "pagedserve_cpu::write_kv: a uint8 cache "
                 "needs rows of q8_0 or q4_0 bytes for head_dim ", dim, ", got ", cache.size(3));
-    return quantize_rows<Src, Q4_0>(cache, rows, slot, tokens, rotate);
+    return quantize_rows<Src, Q4_0>(cache, rows, slot, tokens, k);
   }
   switch (cache.scalar_type()) {
     case at::kFloat: return write_rows<Src, float>(cache, rows, slot, tokens);
@@ -85,11 +94,11 @@ void write_from(const at::Tensor& cache, const at::Tensor& rows, const int64_t* 
   }
 }
 
-void write(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens, bool rotate) {
+void write(const at::Tensor& cache, const at::Tensor& rows, const int64_t* slot, int64_t tokens, bool k) {
   switch (rows.scalar_type()) {
-    case at::kFloat: return write_from<float>(cache, rows, slot, tokens, rotate);
-    case at::kBFloat16: return write_from<c10::BFloat16>(cache, rows, slot, tokens, rotate);
-    case at::kHalf: return write_from<c10::Half>(cache, rows, slot, tokens, rotate);
+    case at::kFloat: return write_from<float>(cache, rows, slot, tokens, k);
+    case at::kBFloat16: return write_from<c10::BFloat16>(cache, rows, slot, tokens, k);
+    case at::kHalf: return write_from<c10::Half>(cache, rows, slot, tokens, k);
     default:
       TORCH_CHECK(false, "pagedserve_cpu::write_kv: k/v dtype ", rows.scalar_type(),
                   " has no kernel; allowed: float32, bfloat16, float16");
@@ -108,7 +117,7 @@ int64_t write_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
   for (int64_t t = 0; t < tokens; ++t) {
     if (slot[t] >= num_slots) return slot[t];
   }
-  write(k_cache, k.contiguous(), slot, tokens, true);     // (rotation: quantized K only)
+  write(k_cache, k.contiguous(), slot, tokens, true);     // (K: rotated and in the K order, if quantized)
   write(v_cache, v.contiguous(), slot, tokens, false);
   return -1;
 }

@@ -1,5 +1,6 @@
-"""Triton pieces of the block-quantized K/V rows (format and rounding: ops/kv_quant.py): the 32-point
-Hadamard rotation, quantizing blocks into row bytes (write_kv) and dequantizing row bytes as they are
+"""Triton pieces of the block-quantized K/V rows (format, rounding and the tiles a cache keeps them in:
+ops/kv_quant.py): the 32-point Hadamard rotation, quantizing blocks into row bytes (write_kv), where a row's
+bytes lie in its tile (`tile_offset`, for write_kv and paged_attention) and dequantizing values as they are
 loaded (paged_attention). FORMAT codes: 0 values as stored, 1 q8_0, 2 q4_0 (`FORMAT_CODES`)."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import triton
 import triton.language as tl
 
 FORMAT_CODES = {None: 0, "q8_0": 1, "q4_0": 2}
+TILE = tl.constexpr(16)          # slots per tile (ops/kv_quant.py's TILE)
 INV_SQRT_BLOCK = tl.constexpr(1 / math.sqrt(32))
 _RNE = tl.constexpr(12582912.0)  # 1.5 * 2^23: (x + it) - it rounds |x| < 2^22 to the nearest integer, ties to even
 
@@ -58,20 +60,46 @@ def quantize_blocks(x, R: tl.constexpr, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def load_values(ptr, row, d, mask, FORMAT: tl.constexpr):
-    """Values d ([1, D]) of the cache rows at ptr + row ([R, 1] offsets in elements): as stored (FORMAT 0),
-    else dequantized from the rows' bytes to fp32."""
-    if FORMAT == 0:
-        return tl.load(ptr + row + d, mask=mask, other=0.0)
-    block_bytes = 34 if FORMAT == 1 else 18
-    at = ptr + row + (d // 32) * block_bytes
+def tile_offset(b, u, j, BLOCKS: tl.constexpr, FORMAT: tl.constexpr, K: tl.constexpr):
+    """Where value byte u of block b of slot j's row lies in its tile (q8_0: u = the block's value 0..31;
+    q4_0: its nibble pair 0..15), in the K order or the V order; the scale's two bytes are at
+    `scale_offset`. Mirrors ops/kv_quant.py's `positions`."""
+    values = BLOCKS * TILE * 2
+    if FORMAT == 1:
+        d = b * 32 + u
+        if K:
+            return values + (d // 4) * 64 + j * 4 + d % 4
+        return values + ((d // 16) * (TILE // 4) + j // 4) * 64 + (d % 16) * 4 + j % 4
+    if K:
+        return values + b * 256 + (u // 4) * 64 + j * 4 + u % 4
+    return values + (b * (TILE // 4) + j // 4) * 64 + u * 4 + j % 4
+
+
+@triton.jit
+def scale_offset(b, j):
+    return (b * TILE + j) * 2
+
+
+@triton.jit
+def load_values(ptr, row, d, mask):
+    """Values d ([1, D]) of the cache rows at ptr + row ([R, 1] offsets in elements), as stored."""
+    return tl.load(ptr + row + d, mask=mask, other=0.0)
+
+
+@triton.jit
+def load_quantized(ptr, tile, j, d, mask, BLOCKS: tl.constexpr, FORMAT: tl.constexpr, K: tl.constexpr):
+    """Values d ([1, D]) of slots j ([R, 1]) of the tiles starting at ptr + tile ([R, 1] byte offsets),
+    dequantized to fp32."""
+    b = d // 32
+    i = d % 32
+    at = ptr + tile + scale_offset(b, j)
     low = tl.load(at, mask=mask, other=0).to(tl.uint16)
     high = tl.load(at + 1, mask=mask, other=0).to(tl.uint16)
     scale = (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-    i = d % 32
     if FORMAT == 1:
-        q = tl.load(at + 2 + i, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        q = tl.load(ptr + tile + tile_offset(b, i, j, BLOCKS, FORMAT, K), mask=mask, other=0)
+        q = q.to(tl.int8, bitcast=True).to(tl.float32)
     else:
-        byte = tl.load(at + 2 + i % 16, mask=mask, other=0).to(tl.int32)
+        byte = tl.load(ptr + tile + tile_offset(b, i % 16, j, BLOCKS, FORMAT, K), mask=mask, other=0).to(tl.int32)
         q = (tl.where(i < 16, byte & 0x0F, byte >> 4) - 8).to(tl.float32)
     return q * scale

@@ -4,8 +4,8 @@ A program owns one tile of up to BLOCK_Q query tokens of one row and one K/V hea
 that K/V head ride along as extra rows of the tile (M = BLOCK_Q x GROUP_PAD), so every K/V page is loaded
 once per tile. The program walks the row's block table page by page with an online softmax in fp32.
 K/V may be stored in a narrower dtype than q: they are converted to q's dtype as they are loaded; or as
-q8_0 / q4_0 rows (ops/kv_quant.py), dequantized as they are loaded. Quantized K is stored Hadamard-rotated
-per 32-value block, so the launcher rotates q the same way first.
+q8_0 / q4_0 rows in tiles of 16 slots (ops/kv_quant.py), dequantized as they are loaded. Quantized K is
+stored Hadamard-rotated per 32-value block, so the launcher rotates q the same way first.
 Long decode contexts use the split-K variant: each split walks a slice of the pages and writes its partial
 (acc, max, sum) to fp32 scratch; a second kernel merges the splits. Nothing here reads tensors on the host,
 so the launch is CUDA-graph safe and traceable by inductor.
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ops import kv_quant
 from ops.triton._launch import fp32_dot, launchable, mma, pow2, row_of_tile
-from ops.triton.kv_quant import FORMAT_CODES, load_values
+from ops.triton.kv_quant import FORMAT_CODES, TILE, load_quantized, load_values
 
 _MIN_DOT = 16             # tl.dot needs every dimension >= 16 on GPUs
 _PREFILL_BLOCK_Q = 16
@@ -71,10 +71,16 @@ def _paged_attention_kernel(
     for page in range(page_lo, page_hi):
         block = tl.load(bt_ptr + row * stride_bt + page).to(tl.int64)
         # a cache stored narrower than q (kv_cache_dtype) is widened as it is read, a quantized one dequantized
-        k = load_values(k_ptr, block * stride_kb + s[:, None] * stride_ks + kv_head * stride_kh, d[None, :],
-                        d_ok[None, :], FORMAT).to(q.dtype)
-        v = load_values(v_ptr, block * stride_vb + s[:, None] * stride_vs + kv_head * stride_vh, d[None, :],
-                        d_ok[None, :], FORMAT).to(q.dtype)
+        if FORMAT == 0:
+            k = load_values(k_ptr, block * stride_kb + s[:, None] * stride_ks + kv_head * stride_kh, d[None, :],
+                            d_ok[None, :]).to(q.dtype)
+            v = load_values(v_ptr, block * stride_vb + s[:, None] * stride_vs + kv_head * stride_vh, d[None, :],
+                            d_ok[None, :]).to(q.dtype)
+        else:             # tiles of TILE slots of one kv head, stride_kh bytes a slot's row (contiguous caches)
+            tile = block * stride_kb + (kv_head * (PAGE // TILE) + s[:, None] // TILE) * (TILE * stride_kh)
+            j = s[:, None] % TILE
+            k = load_quantized(k_ptr, tile, j, d[None, :], d_ok[None, :], HEAD_DIM // 32, FORMAT, True).to(q.dtype)
+            v = load_quantized(v_ptr, tile, j, d[None, :], d_ok[None, :], HEAD_DIM // 32, FORMAT, False).to(q.dtype)
         scores = mma(q, tl.trans(k), F32_DOT) * scale
         k_pos = page * PAGE + s
         scores = tl.where(k_pos[None, :] <= q_pos[:, None], scores, float("-inf"))

@@ -1,5 +1,6 @@
 """Triton `write_kv`: one program per new token copies its [Hk, D] key and value rows into the paged cache,
-converted to the cache's dtype, or quantized into q8_0 / q4_0 rows (K rotated first; ops/kv_quant.py)."""
+converted to the cache's dtype, or quantized into q8_0 / q4_0 rows (K rotated first) stored where the slot's
+tile keeps them (ops/kv_quant.py)."""
 from __future__ import annotations
 
 import triton
@@ -8,7 +9,7 @@ from torch import Tensor
 
 from ops import kv_quant
 from ops.triton._launch import launchable, pow2
-from ops.triton.kv_quant import FORMAT_CODES, quantize_blocks, rotate_blocks
+from ops.triton.kv_quant import FORMAT_CODES, TILE, quantize_blocks, rotate_blocks, scale_offset, tile_offset
 
 
 @triton.jit
@@ -35,10 +36,10 @@ def _write_kv_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr,
 
 
 @triton.jit
-def _quantize_rows(cache_ptr, x_ptr, t, block, offset, stride_cb, stride_cs, stride_ch, stride_xt, stride_xh,
+def _quantize_rows(cache_ptr, x_ptr, t, block, offset, stride_cb, stride_xt, stride_xh, PAGE: tl.constexpr,
                    HEADS: tl.constexpr, BLOCKS: tl.constexpr, H_PAD: tl.constexpr, B_PAD: tl.constexpr,
-                   FORMAT: tl.constexpr, ROTATE: tl.constexpr):
-    """Token t's [HEADS, BLOCKS * 32] rows of x as quantized rows of its cache slot; one tile row per block."""
+                   FORMAT: tl.constexpr, K: tl.constexpr):
+    """Token t's [HEADS, BLOCKS * 32] rows of x quantized into its slot's tiles; one tile row per block."""
     R: tl.constexpr = H_PAD * B_PAD
     r = tl.arange(0, R)
     h, b = r // B_PAD, r % B_PAD
@@ -46,19 +47,20 @@ def _quantize_rows(cache_ptr, x_ptr, t, block, offset, stride_cb, stride_cs, str
     i = tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + t * stride_xt + h[:, None] * stride_xh + b[:, None] * 32 + i, mask=ok[:, None],
                 other=0.0).to(tl.float32)
-    if ROTATE:
+    if K:
         x = rotate_blocks(x, R)
     low, high, qs = quantize_blocks(x, R, FORMAT)
-    at = cache_ptr + block * stride_cb + offset * stride_cs + h * stride_ch + b * (34 if FORMAT == 1 else 18)
-    tl.store(at, low, mask=ok)
-    tl.store(at + 1, high, mask=ok)
-    j = tl.arange(0, 32 if FORMAT == 1 else 16)[None, :]
-    tl.store(at[:, None] + 2 + j, qs, mask=ok[:, None])
+    tile_bytes = TILE * BLOCKS * (34 if FORMAT == 1 else 18)
+    tile = cache_ptr + block * stride_cb + (h * (PAGE // TILE) + offset // TILE) * tile_bytes
+    j = offset % TILE
+    tl.store(tile + scale_offset(b, j), low, mask=ok)
+    tl.store(tile + scale_offset(b, j) + 1, high, mask=ok)
+    u = tl.arange(0, 32 if FORMAT == 1 else 16)[None, :]
+    tl.store(tile[:, None] + tile_offset(b[:, None], u, j, BLOCKS, FORMAT, K), qs, mask=ok[:, None])
 
 
 @triton.jit
-def _write_kv_quant_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr,
-                           stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+def _write_kv_quant_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr, stride_cb,
                            stride_kt, stride_kh, stride_vt, stride_vh,
                            PAGE: tl.constexpr, HEADS: tl.constexpr, BLOCKS: tl.constexpr, H_PAD: tl.constexpr,
                            B_PAD: tl.constexpr, FORMAT: tl.constexpr):
@@ -68,9 +70,9 @@ def _write_kv_quant_kernel(k_cache_ptr, v_cache_ptr, k_ptr, v_ptr, slot_ptr,
         return
     block = slot // PAGE
     offset = slot % PAGE
-    _quantize_rows(k_cache_ptr, k_ptr, t, block, offset, stride_kcb, stride_kcs, stride_kch, stride_kt, stride_kh,
+    _quantize_rows(k_cache_ptr, k_ptr, t, block, offset, stride_cb, stride_kt, stride_kh, PAGE,
                    HEADS, BLOCKS, H_PAD, B_PAD, FORMAT, True)
-    _quantize_rows(v_cache_ptr, v_ptr, t, block, offset, stride_vcb, stride_vcs, stride_vch, stride_vt, stride_vh,
+    _quantize_rows(v_cache_ptr, v_ptr, t, block, offset, stride_cb, stride_vt, stride_vh, PAGE,
                    HEADS, BLOCKS, H_PAD, B_PAD, FORMAT, False)
 
 
@@ -84,10 +86,8 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     fmt = kv_quant.format_of(k_cache, head_dim)
     if fmt:
         blocks = head_dim // kv_quant.BLOCK
-        launchable(_write_kv_quant_kernel)[(num_tokens,)](
-            k_cache, v_cache, k, v, slot_mapping,
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-            v_cache.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        launchable(_write_kv_quant_kernel)[(num_tokens,)](     # (contiguous caches: op checks)
+            k_cache, v_cache, k, v, slot_mapping, k_cache.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             PAGE=k_cache.shape[1], HEADS=heads, BLOCKS=blocks, H_PAD=pow2(heads), B_PAD=pow2(blocks),
             FORMAT=FORMAT_CODES[fmt])
         return
