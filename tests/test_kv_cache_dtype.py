@@ -27,8 +27,9 @@ QUANT_BF16_TOL = dict(atol=4e-2, rtol=2e-2)
 
 # The C++ decode kernel on CPUs with AVX-512 VNNI scores quantized caches with integer dot products
 # (ops/cpu/attention_int8.h; the extension is built for this CPU): queries quantized like q8_0 keys
-# (kv_quant.int8_queries), values weighed in int16 steps of a chunk's largest block scale / 32767. Outputs
-# are within ~1e-4 of the float64 attention of those queries (measured up to 3e-4 on outputs of size ~3).
+# (kv_quant.int8_queries), values weighed in 16-bit steps of a chunk's largest block scale (q8_0: / 65535,
+# q4_0: / 16383). Outputs are within ~1e-4 of the float64 attention of those queries (measured up to 4e-4
+# on outputs of size ~1; 8-bit weights measured up to 4e-2, past this tolerance).
 _FLAGS = open("/proc/cpuinfo").read().split()
 INT8_DOTS = "avx512_vnni" in _FLAGS and "avx512bw" in _FLAGS
 INT8_TOL = dict(atol=1e-3, rtol=1e-4)
