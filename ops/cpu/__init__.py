@@ -5,7 +5,8 @@
 logged and the torch bodies stay registered. PAGEDSERVE_CPU_KERNELS=0 skips the build on purpose.
 
 Ops with a kernel: paged_attention (decode and verify rows, and prefill rows on AVX-512 CPUs; K/V stored in
-fp32, bf16 or fp16, or q8_0 / q4_0 rows dequantized in registers; other prefill rows keep torch's SDPA),
+fp32, bf16 or fp16, or q8_0 / q4_0 tiles read with integer dot products on AVX-512 VNNI CPUs and dequantized in
+registers elsewhere; other prefill rows keep torch's SDPA),
 write_kv (converting to the cache's dtype or quantizing), rotary, quant_linear, quant_rows, rms_norm,
 add_rms_norm and silu_and_mul (these round where transformers does; only the order of the sum of squares, or
 the exp, differs, so fp32 outputs may differ from the torch body by an ulp or two).
