@@ -143,6 +143,36 @@ def test_decode_rows_on_every_instruction_set(fmt, q_dtype, group, head_dim, lan
 
 
 @pytest.mark.usefixtures("cpp_kernels")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("lanes", [0, 16, 8, 1])
+def test_slots_past_a_rows_end_may_hold_anything(fmt, lanes):
+    """A block's slots past every row's end keep whatever the block held before (a reused block): random
+    bytes, NaN and infinite scales among them. The kernels read those slots with the tile but must give
+    them no weight."""
+    rows = [(15, 1), (17, 1), (33, 1), (40, 7)]
+    q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 64, torch.float32, fmt, seed=9)
+    written = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for i, (n_ctx, _) in enumerate(rows):
+        for p in range(n_ctx):
+            written[int(tables[i, p // 16]), p % 16] = True
+    g = _gen(10)
+    for cache, role in ((kc, "k"), (vc, "v")):
+        junk = torch.randint(0, 256, cache.shape, generator=g, dtype=torch.uint8)
+        scales = junk.view(*cache.shape[:-1], -1, kv_quant.BLOCK_BYTES[fmt])[..., :2]
+        scales[..., 0, :] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)      # +inf
+        scales[..., 1, :] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)      # NaN
+        stored_rows = kv_quant.rows_of(cache, fmt, role)
+        stored_rows[~written] = junk[~written]
+        cache.copy_(kv_quant.arrange(stored_rows, fmt, role))
+    got, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.125, 0, lanes, 7)
+    int8 = int8_served(fmt, lanes)
+    want = _decode_reference(kv_quant.int8_queries(q) if int8 else q, kc, vc, qsl, ctx, tables, 0.125, 7)
+    served = list(range(int(qsl[-1])))
+    assert got[served].isfinite().all()
+    torch.testing.assert_close(got[served].double(), want[served], **decode_tol(torch.float32, fmt, int8))
+
+
+@pytest.mark.usefixtures("cpp_kernels")
 @pytest.mark.parametrize("backend", ["cpp", "torch"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
