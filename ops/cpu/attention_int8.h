@@ -36,7 +36,6 @@ namespace pagedserve_cpu::attention_int8 {
 
 using namespace pagedserve_cpu::simd;
 using kv_quant::kBlock;
-using kv_quant::kRow;
 using kv_quant::kTile;
 
 constexpr int kChunkTiles = 4;
@@ -136,9 +135,8 @@ struct Chunk {
   int n;
 };
 
-// Per thread: a chunk's scores, and the integer weights of its values, per head,
-// block and plane (high, low): 64 signed bytes whose 32-bit word 4q + t holds the weights of slots
-// 4q .. 4q + 3 of the chunk's tile t.
+// Per thread: a chunk's scores, and the integer weights of its values, per head, block and plane (high,
+// low): 64 bytes whose 32-bit word 4q + t holds the weights of slots 4q .. 4q + 3 of the chunk's tile t.
 struct Scratch {
   alignas(64) float scores[kMaxGroup][kChunk];
   alignas(64) uint8_t weights[kMaxGroup][kMaxBlocks][2][kChunk];
@@ -158,7 +156,8 @@ PAGEDSERVE_INLINE void prefetch_row(const uint8_t* ahead, int64_t offset) {
 // The scaled scores of T tiles (from tile t0 of the chunk) for G query heads from h: per 32-value block, the K
 // rows' dot products with the query's int8 values in int32 lanes, then times the keys' and the query's scales.
 template <class C, int G, int T>
-PAGEDSERVE_INLINE void score_tiles(const Queries& q, int64_t h, const Chunk& c, int t0, int64_t dim, __m512 (&sc)[T][G]) {
+PAGEDSERVE_INLINE void score_tiles(const Queries& q, int64_t h, const Chunk& c, int t0, int64_t dim,
+                                   __m512 (&sc)[T][G]) {
   const int64_t blocks = dim / kBlock;
   for (int t = 0; t < T; ++t)
     for (int g = 0; g < G; ++g) sc[t][g] = _mm512_setzero_ps();
@@ -197,8 +196,7 @@ PAGEDSERVE_INLINE void score_tiles(const Queries& q, int64_t h, const Chunk& c, 
 
 // exp(x) for x <= 0 (-inf included) as simd.h's exp_nonpositive evaluates it, with its last steps (2^n, and
 // 0 below -87) done by one VSCALEFPS of the argument clamped to -86: below that the result is ~4e-38, which
-// weighs nothing once the weights are integers, and is no denormal (products with those take microcode
-// assists: 5x slower chunks).
+// weighs nothing once the weights are integers, and is still a normal float (see FlushDenormals).
 PAGEDSERVE_INLINE __m512 exp_scalef(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-86.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -338,14 +336,15 @@ PAGEDSERVE_INLINE void add_values(const Scratch& s, const Chunk& c, int g0, int 
       float* out = acc + (g0 + g) * dim + b * kBlock;
       const __m512 keep = _mm512_set1_ps(s.corr[g0 + g]), add = _mm512_set1_ps(step[b] * s.share[g0 + g]);
       _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), add, _mm512_mul_ps(_mm512_loadu_ps(out), keep)));
-      _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), add, _mm512_mul_ps(_mm512_loadu_ps(out + 16), keep)));
+      _mm512_storeu_ps(out + 16,
+                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), add, _mm512_mul_ps(_mm512_loadu_ps(out + 16), keep)));
     }
   }
 }
 
 // A chunk of one kv head against G of its query heads (those from h of q), with the online-softmax update of
-// the heads' running max / sum / accumulators (acc [G, dim] in order: the pointer is to head h's). Scores take two tiles at a time where
-// the registers hold both (their dot products interleave), else one.
+// the heads' running max / sum / accumulators (acc [G, dim] in order: the pointer is to head h's). Scores
+// take two tiles at a time where the registers hold both (their dot products interleave), else one.
 template <class C, int G>
 void attend_chunk(const Queries& q, int64_t h, float* acc, float* run_max, float* run_sum, const Chunk& c,
                   int64_t dim, Scratch& s) {

@@ -20,9 +20,7 @@ namespace pagedserve_cpu::attention_quant {
 
 using namespace pagedserve_cpu::simd;
 using attention::kMaxGroup;
-using attention::kNegInf;
 using kv_quant::kBlock;
-using kv_quant::kRow;
 using kv_quant::kTile;
 
 template <class S>

@@ -148,14 +148,16 @@ PAGEDSERVE_INLINE typename S::V word_lanes(const uint8_t* p, int c, bool high) {
 #ifdef PAGEDSERVE_AVX2
   } else if constexpr (S::W == 8) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    if constexpr (std::is_same_v<F, Q8_0>) return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 24 - 8 * c), 24));
+    if constexpr (std::is_same_v<F, Q8_0>)
+      return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 24 - 8 * c), 24));
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(
         _mm256_and_si256(_mm256_srli_epi32(x, 8 * c + (high ? 4 : 0)), _mm256_set1_epi32(0x0F)), _mm256_set1_epi32(8)));
 #endif
 #ifdef PAGEDSERVE_AVX512
   } else {
     const __m512i x = _mm512_loadu_si512(p);
-    if constexpr (std::is_same_v<F, Q8_0>) return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 24 - 8 * c), 24));
+    if constexpr (std::is_same_v<F, Q8_0>)
+      return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(x, 24 - 8 * c), 24));
     return _mm512_cvtepi32_ps(_mm512_sub_epi32(
         _mm512_and_si512(_mm512_srli_epi32(x, 8 * c + (high ? 4 : 0)), _mm512_set1_epi32(0x0F)), _mm512_set1_epi32(8)));
 #endif
