@@ -252,7 +252,8 @@ def test_the_pool_stores_quantized_rows_and_holds_more_tokens():
 
 
 def test_an_engine_refuses_a_quantized_cache_for_its_head_dim_before_loading_weights(tiny_checkpoint, monkeypatch):
-    """The head_dim check runs on the model's config, so a bad kv_cache_dtype fails before the weights load."""
+    """The head_dim and block_size checks run on the model's config and the engine's, so a bad kv_cache_dtype
+    fails before the weights load."""
     import engine.builder
     from engine import LLM
 
@@ -263,6 +264,8 @@ def test_an_engine_refuses_a_quantized_cache_for_its_head_dim_before_loading_wei
     with pytest.raises(KVCacheDtypeError, match="kv_cache_dtype q8_0 needs head_dim a multiple of 32; this model "
                                                 "has 48"):
         LLM(str(tiny_checkpoint(head_dim=48, heads=2, kv_heads=1)), kv_cache_dtype="q8_0")
+    with pytest.raises(KVCacheDtypeError, match="kv_cache_dtype q4_0 needs block_size a multiple of 16 .*got 8"):
+        LLM(str(tiny_checkpoint(head_dim=64, heads=2, kv_heads=1)), kv_cache_dtype="q4_0", block_size=8)
 
 
 def test_rotary_mean_is_the_mean_of_the_vector_rotated_to_every_position():
