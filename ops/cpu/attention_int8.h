@@ -9,9 +9,9 @@
 //    weights (as integers) adds their products into 16 output lanes. Weights are taken relative to the chunk's
 //    own largest score (the chunk's share of the softmax is a factor applied once), times the value blocks'
 //    scales, in steps of the chunk's largest scale, as two planes of bytes (two instructions per row, where one
-//    plane of 8 bits doubled the error q8_0's own rounding gives the attention): q8_0's 16 unsigned bits
-//    against its signed values; q4_0's 15 bits and a sign (its scales may be negative) against its nibbles,
-//    values + 8, the offset taken off once per chunk.
+//    plane of 8 bits added about as much error as q8_0's own rounding gives the attention): q8_0's 16 unsigned
+//    bits against its signed values; q4_0's 15 bits and a sign (its scales may be negative) against its
+//    nibbles, values + 8, the offset taken off once per chunk.
 // The operand that is the same in all 16 lanes (4 query values, 4 slots' weights) is broadcast into a register
 // first: VPDPBUSD broadcasting from memory itself ran ~1.35x slower here.
 // A chunk's tiles are read in memory order, each from its first byte to its last, while the same tiles two
