@@ -86,12 +86,13 @@ def positions(fmt: str, role: str, block_size: int, kv_heads: int, head_dim: int
     base = (h * (block_size // TILE) + tile) * (TILE * row)
     scale = base + (b * TILE + j) * 2 + o
     u, values = o - 2, base + blocks * TILE * 2
+    # values in rows of 64 bytes (TILE 32-bit words): K row = 4 values of each slot, V row = 16 values of 4 slots
     if fmt == "q8_0":
         d = b * BLOCK + u
-        value = (values + (d // 4) * 4 * TILE + j * 4 + d % 4 if role == "k"
+        value = (values + (d // 4) * 64 + j * 4 + d % 4 if role == "k"
                  else values + ((d // 16) * (TILE // 4) + j // 4) * 64 + d % 16 * 4 + j % 4)
     else:
-        value = (values + b * 4 * TILE * 4 + (u // 4) * TILE * 4 + j * 4 + u % 4 if role == "k"
+        value = (values + (b * 4 + u // 4) * 64 + j * 4 + u % 4 if role == "k"
                  else values + (b * (TILE // 4) + j // 4) * 64 + u * 4 + j % 4)
     return torch.where(o < 2, scale, value).expand(block_size, kv_heads, row).contiguous()
 

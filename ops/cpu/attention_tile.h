@@ -51,12 +51,6 @@ PAGEDSERVE_INLINE void prefetch_step(const Elem<C>* row, int64_t d) {
   S::prefetch(start + bytes - 1);
 }
 
-// Values [d, d + 2W) of a cached row as two fp32 vectors (in simd.h's `lane` order).
-template <class S, class C>
-PAGEDSERVE_INLINE void load_kv(const C* row, int64_t d, typename S::V& a, typename S::V& b) {
-  S::load2(row + d, a, b);
-}
-
 // Keys [0, n) and their values of a later block, at the same 2W values as the keys being scored.
 template <class S, class C>
 PAGEDSERVE_INLINE void prefetch_keys(const Elem<C>* ahead_k, const Elem<C>* ahead_v, int n, int64_t stride,
@@ -94,7 +88,7 @@ PAGEDSERVE_INLINE void score_keys(const Query<S>* q, const Elem<C>* k, int64_t s
   } else {
     for (int64_t d = 0; d < dim; d += 2 * S::W) {
       typename S::V ka[J], kb[J];
-      for (int j = 0; j < J; ++j) load_kv<S, C>(keys[j], d, ka[j], kb[j]);
+      for (int j = 0; j < J; ++j) S::load2(keys[j] + d, ka[j], kb[j]);   // (in simd.h's `lane` order)
       prefetch_keys<S, C>(ahead_k, ahead_v, n, stride, d);
       for (int g = 0; g < G; ++g) {
         const typename S::V qa = S::keep(S::load(q + g * dim + d)), qb = S::keep(S::load(q + g * dim + d + S::W));
@@ -120,7 +114,7 @@ PAGEDSERVE_INLINE void add_values(const float* p, const float* corr, const Elem<
   }
   for (int j = 0; j < len; ++j) {
     typename S::V val[2 * N];
-    for (int n = 0; n < N; ++n) load_kv<S, C>(v + j * stride, d0 + 2 * n * S::W, val[2 * n], val[2 * n + 1]);
+    for (int n = 0; n < N; ++n) S::load2(v + j * stride + d0 + 2 * n * S::W, val[2 * n], val[2 * n + 1]);
     for (int g = 0; g < G; ++g) {
       const typename S::V w = S::set1(p[g * kTile + j]);
       for (int i = 0; i < 2 * N; ++i) out[g][i] = S::fmadd(w, val[i], out[g][i]);

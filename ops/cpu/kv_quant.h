@@ -57,12 +57,13 @@ constexpr int64_t k_row(int64_t dim, int64_t b, int64_t r) {
 }
 constexpr int64_t v_row(int64_t dim, int64_t r, int quad) { return values_of(dim) + (r * (kTile / 4) + quad) * kRow; }
 
-// Block b of a row (bytes[kBlockBytes], as quantize_block writes it) into slot j of its tile.
-template <class F, bool K>
-inline void store_block(uint8_t* tile, int64_t dim, int j, int64_t b, const uint8_t* bytes) {
+// Block b of a row (bytes[kBlockBytes], as quantize_block writes it) into slot j of its tile, in the K order
+// (`k`) or the V order.
+template <class F>
+inline void store_block(uint8_t* tile, int64_t dim, int j, int64_t b, const uint8_t* bytes, bool k) {
   std::memcpy(tile + scale_of(b, j), bytes, 2);
   constexpr int kBytes = F::kBlockBytes - 2;       // 32 values (q8_0) or 16 nibble pairs (q4_0)
-  if constexpr (K) {
+  if (k) {
     for (int r = 0; r < kBytes / 4; ++r) std::memcpy(tile + k_row<F>(dim, b, r) + j * 4, bytes + 2 + 4 * r, 4);
   } else {
     for (int u = 0; u < kBytes; ++u) {

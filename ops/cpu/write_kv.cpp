@@ -61,10 +61,7 @@ void quantize_rows(const at::Tensor& cache, const at::Tensor& rows, const int64_
         for (int i = 0; i < kBlock; ++i) x[i] = static_cast<float>(in[b * kBlock + i]);
         if (k) kv_quant::rotate_block(x);
         kv_quant::quantize_block<F>(x, bytes);
-        if (k)
-          kv_quant::store_block<F, true>(out, dim, j, b, bytes);
-        else
-          kv_quant::store_block<F, false>(out, dim, j, b, bytes);
+        kv_quant::store_block<F>(out, dim, j, b, bytes, k);
       }
     }
   }
