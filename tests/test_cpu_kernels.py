@@ -83,6 +83,65 @@ def test_paged_attention_decode_with_strided_caches_and_any_block_size(block):
                                **TOL[torch.float32])
 
 
+AMX_BF16 = "amx_bf16" in open("/proc/cpuinfo").read().split()
+# bf16 rows: a long one (chunks of 128 positions and a partial one, cut into pieces), and rows ending inside
+# a tile, on a tile's edge, after one position; a verify row of 5 tokens
+BF16_ROWS = [(300, 1), (15, 1), (32, 1), (1, 1), (129, 1), (40, 5)]
+
+
+def _decode_bf16(group, head_dim, lanes, *, block=16, head_slice=False, pieces=0, seed=0):
+    q, kc, vc, qsl, ctx, tables = _paged(BF16_ROWS, 2 * group, 2, head_dim, torch.bfloat16, block=block,
+                                         head_slice=head_slice, seed=seed)
+    got, prefill = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, head_dim ** -0.5, pieces,
+                                                       lanes, 5)
+    assert prefill == 0
+    want = reference_paged_attention(q.double(), kc.double(), vc.double(), qsl, ctx, tables, head_dim ** -0.5)
+    return got, want
+
+
+@pytest.mark.parametrize("lanes", [0, 16, 8, 1])     # 0: AMX tiles where the CPU has them; 16: VDPBF16PS
+@pytest.mark.parametrize("group", [1, 6, 7, 16])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_bf16_decode_on_every_instruction_set(lanes, group, head_dim):
+    got, want = _decode_bf16(group, head_dim, lanes, pieces=3 if group == 6 else 0, seed=group + head_dim)
+    torch.testing.assert_close(got.double(), want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("block, head_slice", [(32, False), (16, True), (8, False)])
+def test_bf16_decode_with_other_blocks_and_strided_caches(block, head_slice):
+    """Blocks of 32 slots and caches that skip every other kv head (the AMX kernel reads both); blocks of 8
+    slots (it leaves those to the vector kernels)."""
+    got, want = _decode_bf16(6, 128, 0, block=block, head_slice=head_slice, seed=block)
+    torch.testing.assert_close(got.double(), want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif(not AMX_BF16, reason="the CPU has no AMX")
+def test_amx_serves_bf16_decode_where_the_cpu_has_it():
+    """lanes 0 runs the AMX kernel and lanes 16 the VDPBF16PS one: both right, summed in other orders."""
+    amx, want = _decode_bf16(6, 128, 0)
+    dot, _ = _decode_bf16(6, 128, 16)
+    torch.testing.assert_close(amx.double(), want, **TOL[torch.bfloat16])
+    assert not torch.equal(amx, dot)
+
+
+@pytest.mark.parametrize("lanes", [0, 16, 8, 1])
+def test_bf16_slots_past_a_rows_end_may_hold_anything(lanes):
+    """A reused block keeps NaN and infinities in the slots past every row's end; the kernels read them with
+    the tiles (scores and values) but must give them no weight."""
+    q, kc, vc, qsl, ctx, tables = _paged(BF16_ROWS, 12, 2, 128, torch.bfloat16, seed=3)
+    written = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for i, (n_ctx, _) in enumerate(BF16_ROWS):
+        for p in range(n_ctx):
+            written[int(tables[i, p // 16]), p % 16] = True
+    want = reference_paged_attention(q.double(), kc.double(), vc.double(), qsl, ctx, tables, 128 ** -0.5)
+    for cache, junk in ((kc, float("nan")), (vc, float("inf"))):
+        cache[~written] = junk
+        cache[~written, :, ::3] = -junk
+    got, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 128 ** -0.5, 0, lanes, 5)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got.double(), want, **TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("rows", [1, 3, 5, 9])
 def test_paged_attention_decode_few_rows_of_many_kv_heads(rows):
     """Few short rows of 8 kv heads (too little work to cut between threads; tests/test_kv_cache_dtype.py

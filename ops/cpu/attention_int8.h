@@ -114,17 +114,6 @@ void quantize_queries(const float* x, int64_t heads, int64_t dim, float softmax_
   }
 }
 
-// Denormal floats flushed to zero (inputs and results) while it lives: a running sum or accumulator times a
-// correction of ~1e-38 made denormals, and each product with one takes a microcode assist (a chunk ran 5x
-// slower). Such values weigh nothing next to the normal ones they are summed with.
-struct FlushDenormals {
-  const unsigned saved = _mm_getcsr();
-  FlushDenormals() { _mm_setcsr(saved | 0x8040); }     // FTZ | DAZ
-  ~FlushDenormals() { _mm_setcsr(saved); }
-  FlushDenormals(const FlushDenormals&) = delete;
-  FlushDenormals& operator=(const FlushDenormals&) = delete;
-};
-
 // The tiles of one chunk of one kv head: `n` slots (up to kChunk; the last tile may be partial) and, where
 // they exist, the tiles two chunks on (prefetched while these are read; null past the row's end).
 struct Chunk {

@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_amx.h"
 #include "attention_int8.h"
 #include "attention_quant.h"
 #include "attention_rows.h"
@@ -43,6 +44,9 @@ namespace attention_quant = pagedserve_cpu::attention_quant;
 using kv_quant::kQuant;
 #ifdef PAGEDSERVE_INT8_DOT
 namespace attention_int8 = pagedserve_cpu::attention_int8;
+#endif
+#ifdef PAGEDSERVE_AMX
+namespace attention_amx = pagedserve_cpu::attention_amx;
 #endif
 
 constexpr int64_t kMinPiece = 256;  // positions below which a piece of a row is not worth a thread of its own
@@ -77,6 +81,35 @@ struct Int8Scratch {};
 template <class S>
 constexpr bool kInt8 = std::is_same_v<S, Int8Dot>;
 
+// The set of attention_amx.h: tile products for bf16 queries against a bf16 cache.
+#ifdef PAGEDSERVE_AMX
+struct AmxBf16 : Avx512 {};
+using AmxScratch = attention_amx::Scratch;
+#else
+struct AmxBf16 {};
+struct AmxScratch {};
+#endif
+template <class S>
+constexpr bool kAmx = std::is_same_v<S, AmxBf16>;
+
+// A row's queries as a set reads them: in the keys' lane order (fp32, or bf16 for the dot-product set), as
+// int8 blocks (Int8Dot), or as B tiles (AmxBf16).
+template <class S>
+struct Staged {
+  std::vector<Query<S>> values;
+  Int8Queries int8;
+  std::vector<uint32_t> tiles;
+};
+
+// The tile registers configured for a call's GQA group on the AMX set's threads (nothing on the others).
+#ifdef PAGEDSERVE_AMX
+template <class S>
+using TileScope = std::conditional_t<kAmx<S>, attention_amx::Tiles, int>;
+#else
+template <class S>
+using TileScope = int;
+#endif
+
 template <class S, class C>
 struct Decode {
   const void* q;         // [T, Hq, D], fp32 or bf16 (bf16 for the dot-product set)
@@ -106,9 +139,23 @@ struct Decode {
       static_cast<float*>(out)[i] = x;
   }
 
-  // The row's queries in the keys' lane order (bf16 dot products pair keys and queries as stored).
-  void stage(int64_t row, std::vector<Query<S>>& qs, Int8Queries& qi) const {
+  // Where value d of a head sits in the accumulators.
+  static int64_t acc_index(int64_t d) {
+    if constexpr (kAmx<S>)
+      return d;
+    else
+      return lane<S, C>(d);
+  }
+
+  // The row's queries as the set reads them (see Staged).
+  void stage(int64_t row, Staged<S>& staged) const {
     const int64_t dim = cache.dim, n = q_heads * dim, first = static_cast<int64_t>(tokens[row]) * n;
+#ifdef PAGEDSERVE_AMX
+    if constexpr (kAmx<S>)
+      return attention_amx::stage_queries(static_cast<const c10::BFloat16*>(q) + first, kv_heads,
+                                          q_heads / kv_heads, dim, staged.tiles);
+#endif
+    std::vector<Query<S>>& qs = staged.values;
     qs.resize(n);
     for (int64_t h = 0; h < q_heads; ++h)
       for (int64_t d = 0; d < dim; ++d)
@@ -116,7 +163,7 @@ struct Decode {
     if constexpr (kQuant<C>)      // like K, block by block (lanes are in order for quantized rows; Query is fp32)
       for (int64_t at = 0; at < n; at += kv_quant::kBlock) kv_quant::rotate_block(qs.data() + at);
 #ifdef PAGEDSERVE_INT8_DOT
-    if constexpr (kInt8<S>) attention_int8::quantize_queries<C>(qs.data(), q_heads, dim, scale, qi);
+    if constexpr (kInt8<S>) attention_int8::quantize_queries<C>(qs.data(), q_heads, dim, scale, staged.int8);
 #endif
   }
 
@@ -205,7 +252,7 @@ struct Decode {
   void run_int8(int64_t row, int64_t first, int64_t last, const Int8Queries& qi, Partial& st,
                 Int8Scratch& s) const {
     using attention_int8::kChunk;
-    const attention_int8::FlushDenormals flush;
+    const FlushDenormals flush;
     const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads, ctx = lens[row];
     const int32_t* blocks = table_of(row);
     const int64_t lo = first * bs, hi = std::min<int64_t>(last * bs, ctx);
@@ -239,11 +286,57 @@ struct Decode {
   }
 #endif
 
+#ifdef PAGEDSERVE_AMX
+  // run() for the AMX set: positions in chunks of up to 8 tiles of 16 slots (whole tiles of one block: block
+  // sizes are multiples of 16 here), each kv head's chunk in turn, the same slots a chunk on prefetched.
+  void run_amx(int64_t row, int64_t first, int64_t last, const std::vector<uint32_t>& queries, Partial& st,
+               AmxScratch& s) const {
+    using attention_amx::kChunk;
+    using attention_amx::kChunkTiles;
+    using attention_amx::kTile;
+    const FlushDenormals flush;
+    const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads, ctx = lens[row];
+    const int32_t* blocks = table_of(row);
+    const int64_t lo = first * bs, hi = std::min<int64_t>(last * bs, ctx);
+    for (int64_t p0 = lo; p0 < hi; p0 += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, hi - p0));
+      int64_t here[kChunkTiles], ahead[kChunkTiles];
+      for (int t = 0; t < kChunkTiles; ++t) {
+        const int64_t pos = p0 + t * kTile;
+        here[t] = pos < p0 + n ? block_at(blocks, pos) : -1;
+        ahead[t] = block_ahead(blocks, pos + kChunk, ctx);
+      }
+      for (int64_t kv = 0; kv < kv_heads; ++kv) {
+        attention_amx::Chunk c{};
+        c.n = n;
+        c.stride = cache.slot_stride;
+        c.ahead_bytes = kTile * cache.slot_stride * static_cast<int64_t>(sizeof(c10::BFloat16)) / kv_heads;
+        const auto slot = [&](int64_t block, int64_t pos) { return block * cache.block_stride + pos % bs * cache.slot_stride; };
+        for (int t = 0; t < kChunkTiles; ++t) {
+          const int64_t pos = p0 + t * kTile;
+          if (here[t] >= 0) {
+            c.k[t] = k_cache + slot(here[t], pos) + kv * cache.head_stride;
+            c.v[t] = v_cache + slot(here[t], pos) + kv * cache.head_stride;
+          }
+          if (ahead[t] >= 0) {
+            const int64_t later = slot(ahead[t], pos + kChunk);
+            c.k_ahead[t] = reinterpret_cast<const char*>(k_cache + later) + kv * c.ahead_bytes;
+            c.v_ahead[t] = reinterpret_cast<const char*>(v_cache + later) + kv * c.ahead_bytes;
+          }
+        }
+        const int64_t h = kv * group;
+        attention_amx::attend_chunk(queries.data() + h * dim / 2, c, static_cast<int>(group), dim, scale,
+                                    st.acc.data() + h * dim, st.max.data() + h, st.sum.data() + h, s);
+      }
+    }
+  }
+#endif
+
   void finish(int64_t row, const Partial& st) const {
     const int64_t dim = cache.dim, first = static_cast<int64_t>(tokens[row]) * q_heads * dim;
     for (int64_t h = 0; h < q_heads; ++h) {
       const float inv = 1.f / st.sum[h];
-      for (int64_t d = 0; d < dim; ++d) put(first + h * dim + d, st.acc[h * dim + lane<S, C>(d)] * inv);
+      for (int64_t d = 0; d < dim; ++d) put(first + h * dim + d, st.acc[h * dim + acc_index(d)] * inv);
     }
   }
 
@@ -258,7 +351,7 @@ struct Decode {
       for (const Partial* p : parts) {
         const float w = exp_nonpositive<Scalar>(p->max[h] - m);
         total += p->sum[h] * w;
-        for (int64_t d = 0; d < dim; ++d) o[d] += p->acc[h * dim + lane<S, C>(d)] * w;
+        for (int64_t d = 0; d < dim; ++d) o[d] += p->acc[h * dim + acc_index(d)] * w;
       }
       for (int64_t d = 0; d < dim; ++d) put(first + h * dim + d, o[d] / total);
     }
@@ -286,10 +379,11 @@ struct Decode {
       Scratch<S> scratch{};
       attention_quant::Scratch<S> scratch_quant;
       Int8Scratch scratch8;
+      AmxScratch scratch_amx;
+      [[maybe_unused]] const TileScope<S> tiles(static_cast<int>(q_heads / kv_heads));
       Partial st;
-      std::vector<Query<S>> qs;
-      Int8Queries qi;
-      int64_t staged = -1;
+      Staged<S> staged;
+      int64_t staged_row = -1;
       for (int64_t sh = begin; sh < end; ++sh) {
         const int64_t lo = total * sh / shares, hi = total * (sh + 1) / shares;
         int64_t row = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
@@ -298,19 +392,24 @@ struct Decode {
           const bool whole = first[row + 1] - first[row] == 1;
           Partial& target = whole ? st : partial[piece];
           target.reset(q_heads, cache.dim);
-          if (row != staged) stage(row, qs, qi);
-          staged = row;
+          if (row != staged_row) stage(row, staged);
+          staged_row = row;
           const int64_t cut = first[row + 1] - first[row], j = piece - first[row], blocks = blocks_of(row);
           const int64_t from = blocks * j / cut, to = blocks * (j + 1) / cut;
+#ifdef PAGEDSERVE_AMX
+          if constexpr (kAmx<S>)
+            run_amx(row, from, to, staged.tiles, target, scratch_amx);
+          else
+#endif
 #ifdef PAGEDSERVE_INT8_DOT
           if constexpr (kInt8<S>)
-            run_int8(row, from, to, qi, target, scratch8);
+            run_int8(row, from, to, staged.int8, target, scratch8);
           else
 #endif
           if constexpr (kQuant<C>)
-            run_quant(row, from, to, qs.data(), target, scratch_quant);
+            run_quant(row, from, to, staged.values.data(), target, scratch_quant);
           else
-            run(row, from, to, qs.data(), target, scratch);
+            run(row, from, to, staged.values.data(), target, scratch);
           if (whole) finish(row, st);
         }
       }
@@ -344,7 +443,15 @@ void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
   const auto fits = [&](int width) { return cache.dim % (2 * width) == 0 && (lanes <= 0 || width <= lanes); };
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
   if constexpr (std::is_same_v<C, c10::BFloat16>)
-    if (q.scalar_type() == at::kBFloat16 && fits(Avx512::W)) return run(Avx512Bf16{});
+    if (q.scalar_type() == at::kBFloat16 && fits(Avx512::W)) {
+#ifdef PAGEDSERVE_AMX
+      // (lanes 16 asks for the VDPBF16PS set)
+      if (lanes <= 0 && cache.block_size % attention_amx::kTile == 0 &&
+          q.size(1) / k_cache.size(2) <= attention_amx::kMaxGroup && attention_amx::available())
+        return run(AmxBf16{});
+#endif
+      return run(Avx512Bf16{});
+    }
 #endif
 #ifdef PAGEDSERVE_INT8_DOT
   // (lanes 16 asks for the fp32 set below)
