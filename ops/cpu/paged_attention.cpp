@@ -5,7 +5,8 @@
 // to fp32 in registers tile by tile (attention_quant.h, run_quant). The softmax and accumulators stay in fp32.
 // Quantized K is stored rotated (a 32-point Hadamard transform per block), so the queries are rotated the
 // same way as they are staged; V is not rotated, so outputs need nothing. bf16 queries against a bf16 cache
-// use the bf16 dot products where the CPU has them (simd.h's Avx512Bf16).
+// use AMX tile products where the CPU has them (attention_amx.h, run_amx; blocks of a multiple of 16 slots),
+// else the bf16 dot products where it has those (simd.h's Avx512Bf16).
 //
 // A row of several new tokens (up to the caller's `max_tokens`: speculative verify rows, and on AVX-512 CPUs
 // prefill chunks) is attended as one decode row per token, each over the context its token sees (causal):
