@@ -2,11 +2,13 @@
 bandwidth roofline of the bytes a step reads (weights + K/V, probe measured in the same run), and
 fidelity against fp32 K/V — greedy agreement over a code reply and the per-token log-likelihood
 (perplexity) of a fixed text; the aggregate decode rate of several streams after a shared long
-prompt (llama-batched-bench -pps does the same). Also how many 8k-token sessions a GiB of pool holds.
+prompt (llama-batched-bench -pps does the same); the time to prefill a fresh long prompt. Also how many
+8k-token sessions a GiB of pool holds.
 
     .venv/bin/python bench/kv_cache_dtypes.py speed --dtypes bf16 q8_0 q4_0 --contexts 128 4096 8192 16384
     .venv/bin/python bench/kv_cache_dtypes.py fidelity --dtypes bf16 fp16 q8_0 q4_0 --dtype float32
     .venv/bin/python bench/kv_cache_dtypes.py streams --streams 8 --contexts 4096 --tokens 64
+    .venv/bin/python bench/kv_cache_dtypes.py prefill --dtypes bf16 --contexts 8192 --rounds 2
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import math
 import statistics
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -86,6 +89,24 @@ def streams(args) -> None:
             gc.collect()
 
 
+def prefill(args) -> None:
+    """Seconds from submitting a fresh prompt (nothing of it cached) to its first token, `rounds` prompts
+    per context."""
+    for dtype in args.dtypes:
+        llm = _engine(args, dtype, max(args.contexts))
+        llm.generate([[101, 102, 103] * 20], SamplingParams(max_tokens=2))      # warm-up
+        for ctx in sorted(args.contexts):
+            for r in range(args.rounds):
+                prompt = [(i * 7919 + 31 * (r + 1) + ctx) % 30000 + 100 for i in range(ctx)]
+                start = time.perf_counter()
+                llm.generate([prompt], SamplingParams(max_tokens=1))
+                took = time.perf_counter() - start
+                print(f"{dtype}: {ctx:,} fresh tokens to the first token in {took:.1f} s ({ctx / took:.0f} tok/s)",
+                      flush=True)
+        del llm
+        gc.collect()
+
+
 def token_logprobs(engine, ids: list[int], chunk: int = 512) -> list[float]:
     """log p(ids[i+1] | ids[:i+1]) for every i, teacher-forced through the engine's model and pool
     (blocks 0.. of an idle pool)."""
@@ -129,7 +150,7 @@ def fidelity(args) -> None:
 
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=["speed", "fidelity", "streams"])
+    p.add_argument("part", choices=["speed", "fidelity", "streams", "prefill"])
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
     p.add_argument("--dtype", default="auto", help="activations (fidelity: float32 isolates the K/V's rounding)")
     p.add_argument("--dtypes", nargs="+", default=["bf16", "q8_0", "q4_0"])
@@ -138,8 +159,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--reply-tokens", type=int, default=256)
     p.add_argument("--text-tokens", type=int, default=2000)
     p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2, help="fresh prompts per context (prefill)")
     args = p.parse_args(argv)
-    {"speed": speed, "fidelity": fidelity, "streams": streams}[args.part](args)
+    {"speed": speed, "fidelity": fidelity, "streams": streams, "prefill": prefill}[args.part](args)
 
 
 if __name__ == "__main__":
