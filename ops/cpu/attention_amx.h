@@ -94,8 +94,8 @@ inline void stage_queries(const c10::BFloat16* q, int64_t kv_heads, int64_t grou
 }
 
 // The slots of one chunk of one kv head: tile t's K and V rows start at k[t], v[t] (slot stride `stride`
-// values). k_ahead[t] / v_ahead[t]: this kv head's share of the bytes of the slots of a later tile, all kv
-// heads' rows as they lie in memory (null past the row's end), `ahead_bytes` long.
+// values). k_ahead[t] / v_ahead[t]: this kv head's share of the bytes of the 16 slots of tile t a chunk on,
+// all kv heads' rows as they lie in memory (null past the row's end), `ahead_bytes` long.
 struct Chunk {
   const c10::BFloat16* k[kChunkTiles];
   const c10::BFloat16* v[kChunkTiles];
@@ -123,8 +123,8 @@ PAGEDSERVE_INLINE void prefetch_step(const char* p, int64_t i, int64_t per, int6
 
 // Scores of the chunk's tiles into s.scores, times `scale`: [head][position].
 inline void score_chunk(const uint32_t* queries, const Chunk& c, int group, int64_t dim, float scale, Scratch& s) {
-  const int64_t row_bytes = c.stride * 2, lines = c.ahead_bytes / 64, steps = dim / (2 * kPairs);
-  const int64_t per = (lines + steps - 1) / steps;
+  const int64_t row_bytes = c.stride * static_cast<int64_t>(sizeof(c10::BFloat16));
+  const int64_t lines = c.ahead_bytes / 64, steps = dim / (2 * kPairs), per = (lines + steps - 1) / steps;
   const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(kMaxGroup));
   for (int t = 0; t * kTile < c.n; ++t) {
