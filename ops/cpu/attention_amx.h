@@ -176,7 +176,7 @@ inline void softmax_chunk(const Chunk& c, int group, float* run_max, float* run_
 
 // acc[g][d0 .. d0 + 16 * Tiles) = acc * corr[g] + the chunk's weighted values: per 32 positions, their V
 // rows paired position by position (positions past n as zeros, whatever their slots hold) into one B tile per
-// 16 values, against the 32 weights of each head. Pass `pass` of `passes` over the chunk.
+// 16 values, against the 32 weights of each head.
 template <int Tiles>
 PAGEDSERVE_INLINE void add_values(const Chunk& c, int group, int64_t dim, int64_t d0, float* acc, Scratch& s) {
   alignas(64) static const uint16_t lo_index[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
@@ -227,16 +227,15 @@ PAGEDSERVE_INLINE void add_values(const Chunk& c, int group, int64_t dim, int64_
 }
 
 // One chunk of one kv head against its G query heads: queries as staged for the kv head, acc/run_max/
-// run_sum of its first query head.
+// run_sum of its first query head. head_dim is a multiple of 32 (the caller checks), so a pass of 64 values
+// may leave 32.
 inline void attend_chunk(const uint32_t* queries, const Chunk& c, int group, int64_t dim, float scale, float* acc,
                          float* run_max, float* run_sum, Scratch& s) {
   score_chunk(queries, c, group, dim, scale, s);
   softmax_chunk(c, group, run_max, run_sum, s);
   int64_t d0 = 0;
-  for (; d0 + kOutTiles * kTile <= dim; d0 += kOutTiles * kTile) add_values<4>(c, group, dim, d0, acc, s);
-  if (dim - d0 == 3 * kTile) add_values<3>(c, group, dim, d0, acc, s);
-  if (dim - d0 == 2 * kTile) add_values<2>(c, group, dim, d0, acc, s);
-  if (dim - d0 == kTile) add_values<1>(c, group, dim, d0, acc, s);
+  for (; d0 + kOutTiles * kTile <= dim; d0 += kOutTiles * kTile) add_values<kOutTiles>(c, group, dim, d0, acc, s);
+  if (d0 < dim) add_values<2>(c, group, dim, d0, acc, s);
 }
 
 #undef PAGEDSERVE_OUT_TILES
