@@ -166,20 +166,25 @@ def test_long_rows_cut_into_pieces_match_one_pass(q_dtype, kv_dtype, pieces):
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES + QUANT)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pieces", [0, 3])
-def test_a_row_is_attended_the_same_bit_for_bit_whatever_the_batch(q_dtype, kv_dtype, pieces):
+@pytest.mark.parametrize("lanes", [0, 8])
+def test_a_row_is_attended_the_same_bit_for_bit_whatever_the_batch(q_dtype, kv_dtype, pieces, lanes):
     """Greedy output with speculation equals plain decoding only if a verify row's token gets exactly the
     attention a decode step would give it: each token of a 5-token row over a 700-token context, attended
     alone as a decode row, equals the same token in the verify row beside other rows (where rows are cut
-    into pieces must not depend on the batch)."""
-    rows = [(300, 1), (700, 5), (1000, 1)]
+    into pieces must not depend on the batch). So does each token of a 37-token prefill chunk, whose tokens
+    the kernel reads together in groups of as many blocks (here 4 groups, one of a single token)."""
+    rows = [(300, 1), (700, 5), (1000, 1), (689, 37)]
     q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 128, q_dtype, kv_dtype, seed=11)
-    batched, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.0883, pieces, 0, 5)
-    for j in range(5):
-        token = int(qsl[1]) + j
-        alone, _ = ops.cpu._lib.paged_attention_decode(
-            q[token:token + 1].contiguous(), kc, vc, torch.tensor([0, 1], dtype=torch.int32),
-            torch.tensor([700 - 4 + j], dtype=torch.int32), tables[1:2].contiguous(), 0.0883, pieces)
-        assert torch.equal(alone[0], batched[token])
+    batched, _ = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.0883, pieces, lanes, 37)
+    for row in (1, 3):
+        n = rows[row][1]
+        for j in range(n):
+            token = int(qsl[row]) + j
+            alone, _ = ops.cpu._lib.paged_attention_decode(
+                q[token:token + 1].contiguous(), kc, vc, torch.tensor([0, 1], dtype=torch.int32),
+                torch.tensor([rows[row][0] - n + 1 + j], dtype=torch.int32), tables[row:row + 1].contiguous(),
+                0.0883, pieces, lanes)
+            assert torch.equal(alone[0], batched[token]), (row, j)
 
 
 # quantized caches keep tiles of 16 slots, so their blocks are multiples of 16 (tests/test_kv_quant.py: refused)

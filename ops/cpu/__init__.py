@@ -39,7 +39,7 @@ _lib = None                                         # torch.ops.pagedserve_cpu o
 # Rows of up to this many new tokens (decode rows, speculative verify rows) are attended by the C++ kernel,
 # one decode row per token, where SDPA's masked path was many times dearer. On AVX-512 CPUs every row is:
 # the kernel beat torch's flash SDPA there at 512-token prefill chunks too. Elsewhere longer rows stay with
-# SDPA, which reads K/V once for all of a row's tokens (the kernel, once per token).
+# SDPA, whose arithmetic serves many tokens per K/V value (the kernel's, one token).
 KERNEL_ROW_TOKENS = 2**31 - 1 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 64
 
 

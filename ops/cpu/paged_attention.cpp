@@ -9,9 +9,9 @@
 // else the bf16 dot products where it has those (simd.h's Avx512Bf16).
 //
 // A row of several new tokens (up to the caller's `max_tokens`: speculative verify rows, and on AVX-512 CPUs
-// prefill chunks) is attended as one decode row per token, each over the context its token sees (causal):
-// its K/V are read once per token, mostly from cache, where torch's SDPA with a bottom-right causal mask
-// cost ~30x a decode row per layer for a verify row.
+// prefill chunks) is attended as one decode row per token, each over the context its token sees (causal),
+// where torch's SDPA with a bottom-right causal mask cost ~30x a decode row per layer for a verify row. Its
+// tokens of as many blocks take the same positions in turn, so their K/V come from memory once per group.
 //
 // Flash-decoding: each long decode row is cut into up to one piece per thread (by its own length only: the
 // batch beside a row never changes its rounding) and the threads take equal runs of pieces, so a single long row
@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -54,6 +55,16 @@ constexpr int64_t kMinPiece = 256;  // positions below which a piece of a row is
 // How far ahead of the block being read its row's K/V is prefetched, in bytes (2 to 8 blocks): a distance in
 // blocks undershot small blocks (few kv heads, short heads), whose loads then waited on memory.
 constexpr int64_t kAheadBytes = 32 << 10;
+// Positions a token of a group attends before the next token takes them (Decode::operator()): a whole number
+// of every set's chunks, and few enough that a group's K/V stay in the core's L2 between its tokens.
+constexpr int64_t kStep = 128;
+static_assert(kStep % kTile == 0 && kStep % kv_quant::kTile == 0);
+#ifdef PAGEDSERVE_INT8_DOT
+static_assert(kStep % pagedserve_cpu::attention_int8::kChunk == 0);
+#endif
+#ifdef PAGEDSERVE_AMX
+static_assert(kStep % pagedserve_cpu::attention_amx::kChunk == 0);
+#endif
 
 struct Cache {
   int64_t block_stride, slot_stride, head_stride, num_blocks, block_size, dim;
@@ -100,6 +111,15 @@ struct Staged {
   std::vector<Query<S>> values;
   Int8Queries int8;
   std::vector<uint32_t> tiles;
+};
+
+// One thread's scratch for whichever set runs.
+template <class S>
+struct ThreadScratch {
+  Scratch<S> vec{};
+  attention_quant::Scratch<S> quant;
+  Int8Scratch int8;
+  AmxScratch amx;
 };
 
 // The tile registers configured for a call's GQA group on the AMX set's threads (nothing on the others).
@@ -358,60 +378,85 @@ struct Decode {
     }
   }
 
+  // Blocks [first, last) of `row` into `st` with the call's set.
+  void run_any(int64_t row, int64_t first, int64_t last, const Staged<S>& staged, Partial& st,
+               ThreadScratch<S>& s) const {
+#ifdef PAGEDSERVE_AMX
+    if constexpr (kAmx<S>)
+      return run_amx(row, first, last, staged.tiles, st, s.amx);
+#endif
+#ifdef PAGEDSERVE_INT8_DOT
+    if constexpr (kInt8<S>)
+      return run_int8(row, first, last, staged.int8, st, s.int8);
+#endif
+    if constexpr (kQuant<C>)
+      run_quant(row, first, last, staged.values.data(), st, s.quant);
+    else
+      run(row, first, last, staged.values.data(), st, s.vec);
+  }
+
   // Cuts each decode row into equal pieces, one per thread at most and none shorter than kMinPiece
   // positions (`pieces` > 0: that many, at most one per block), and hands the pieces to the threads in equal
   // runs. Where a row is cut depends on its own length only, so its output does not depend on the batch
   // beside it: a verify row's tokens match decode steps bit for bit.
+  // The tokens of a verify or prefill row that have as many blocks (so are cut at the same places) are read
+  // together, piece by piece: each token in turn attends kStep positions, so the others find those K/V in
+  // cache and a prefill chunk reads its context from memory once per group rather than once per token. Each
+  // token's arithmetic is the same as alone (kStep is a whole number of every set's chunks).
   void operator()(int64_t rows, int64_t pieces) const {
     const int64_t bs = cache.block_size, threads = at::get_num_threads();
-    const int64_t min_blocks = std::max<int64_t>(1, kMinPiece / bs);
+    const int64_t min_blocks = std::max<int64_t>(1, kMinPiece / bs), step = kStep / std::gcd(kStep, bs);
     const auto blocks_of = [&](int64_t r) { return (lens[r] + bs - 1) / bs; };
     const auto pieces_of = [&](int64_t r) {
       const int64_t blocks = blocks_of(r);
       return std::min(blocks, pieces > 0 ? pieces : std::clamp<int64_t>(blocks / min_blocks, 1, threads));
     };
     std::vector<int64_t> first(rows + 1, 0);         // global index of each row's first piece
-    for (int64_t r = 0; r < rows; ++r) first[r + 1] = first[r] + pieces_of(r);
-    const int64_t total = first[rows];
+    std::vector<int64_t> group{0};                   // each group's first row, then `rows`
+    for (int64_t r = 0; r < rows; ++r) {
+      first[r + 1] = first[r] + pieces_of(r);
+      if (r > 0 && (table_rows[r] != table_rows[r - 1] || blocks_of(r) != blocks_of(r - 1))) group.push_back(r);
+    }
+    group.push_back(rows);
+    const int64_t groups = static_cast<int64_t>(group.size()) - 1;
+    std::vector<int64_t> work(groups + 1, 0);        // global index of each group's first piece
+    for (int64_t g = 0; g < groups; ++g) work[g + 1] = work[g] + pieces_of(group[g]);
+    const int64_t total = work[groups];
     if (total == 0) return;
     const int64_t shares = std::min(total, threads);
-    std::vector<Partial> partial(total);             // the pieces of rows that were cut
+    std::vector<Partial> partial(first[rows]);       // the pieces of rows that were cut
     at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
-      Scratch<S> scratch{};
-      attention_quant::Scratch<S> scratch_quant;
-      Int8Scratch scratch8;
-      AmxScratch scratch_amx;
+      ThreadScratch<S> scratch;
       [[maybe_unused]] const TileScope<S> tiles(static_cast<int>(q_heads / kv_heads));
-      Partial st;
-      Staged<S> staged;
-      int64_t staged_row = -1;
+      std::vector<Partial> whole;                    // the states of a group's rows that were not cut
+      std::vector<Staged<S>> staged;
+      std::vector<Partial*> target;
+      int64_t staged_group = -1;
       for (int64_t sh = begin; sh < end; ++sh) {
         const int64_t lo = total * sh / shares, hi = total * (sh + 1) / shares;
-        int64_t row = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
+        int64_t g = std::upper_bound(work.begin(), work.end(), lo) - work.begin() - 1;
         for (int64_t piece = lo; piece < hi; ++piece) {
-          while (first[row + 1] <= piece) ++row;
-          const bool whole = first[row + 1] - first[row] == 1;
-          Partial& target = whole ? st : partial[piece];
-          target.reset(q_heads, cache.dim);
-          if (row != staged_row) stage(row, staged);
-          staged_row = row;
-          const int64_t cut = first[row + 1] - first[row], j = piece - first[row], blocks = blocks_of(row);
+          while (work[g + 1] <= piece) ++g;
+          const int64_t r0 = group[g], members = group[g + 1] - r0, cut = work[g + 1] - work[g];
+          const int64_t j = piece - work[g], blocks = blocks_of(r0);
           const int64_t from = blocks * j / cut, to = blocks * (j + 1) / cut;
-#ifdef PAGEDSERVE_AMX
-          if constexpr (kAmx<S>)
-            run_amx(row, from, to, staged.tiles, target, scratch_amx);
-          else
-#endif
-#ifdef PAGEDSERVE_INT8_DOT
-          if constexpr (kInt8<S>)
-            run_int8(row, from, to, staged.int8, target, scratch8);
-          else
-#endif
-          if constexpr (kQuant<C>)
-            run_quant(row, from, to, staged.values.data(), target, scratch_quant);
-          else
-            run(row, from, to, staged.values.data(), target, scratch);
-          if (whole) finish(row, st);
+          if (g != staged_group) {
+            staged.resize(std::max<int64_t>(members, staged.size()));
+            for (int64_t m = 0; m < members; ++m) stage(r0 + m, staged[m]);
+            staged_group = g;
+          }
+          whole.resize(std::max<int64_t>(members, whole.size()));
+          target.resize(members);
+          for (int64_t m = 0; m < members; ++m) {
+            target[m] = cut == 1 ? &whole[m] : &partial[first[r0 + m] + j];
+            target[m]->reset(q_heads, cache.dim);
+          }
+          const int64_t span = members == 1 ? to - from : step;
+          for (int64_t b = from; b < to; b += span)
+            for (int64_t m = 0; m < members; ++m)
+              run_any(r0 + m, b, std::min(b + span, to), staged[m], *target[m], scratch);
+          if (cut == 1)
+            for (int64_t m = 0; m < members; ++m) finish(r0 + m, whole[m]);
         }
       }
     });
