@@ -168,14 +168,26 @@ struct Decode {
       return lane<S, C>(d);
   }
 
-  // The row's queries as the set reads them (see Staged).
-  void stage(int64_t row, Staged<S>& staged) const {
+  // Decode rows staged and attended together: the AMX set puts the GQA groups of as many tokens of a prefill
+  // or verify row as fit side by side in its tiles; the others take one row at a time.
+  int64_t rows_per_stage() const {
+#ifdef PAGEDSERVE_AMX
+    if constexpr (kAmx<S>) return attention_amx::tokens_per_tile(q_heads / kv_heads);
+#endif
+    return 1;
+  }
+
+  // The queries of `count` (up to rows_per_stage()) consecutive decode rows of one row, from `row`, as the
+  // set reads them (see Staged).
+  void stage(int64_t row, int64_t count, Staged<S>& staged) const {
     const int64_t dim = cache.dim, n = q_heads * dim, first = static_cast<int64_t>(tokens[row]) * n;
 #ifdef PAGEDSERVE_AMX
     if constexpr (kAmx<S>)
-      return attention_amx::stage_queries(static_cast<const c10::BFloat16*>(q) + first, kv_heads,
-                                          q_heads / kv_heads, dim, staged.tiles);
+      return attention_amx::stage_queries(static_cast<const c10::BFloat16*>(q) + first, count, kv_heads,
+                                          q_heads / kv_heads, dim, rows_per_stage() * (q_heads / kv_heads),
+                                          staged.tiles);
 #endif
+    (void)count;
     std::vector<Query<S>>& qs = staged.values;
     qs.resize(n);
     for (int64_t h = 0; h < q_heads; ++h)
@@ -308,16 +320,20 @@ struct Decode {
 #endif
 
 #ifdef PAGEDSERVE_AMX
-  // run() for the AMX set: positions in chunks of up to 8 tiles of 16 slots (whole tiles of one block: block
-  // sizes are multiples of 16 here), each kv head's chunk in turn, the same slots a chunk on prefetched.
-  void run_amx(int64_t row, int64_t first, int64_t last, const std::vector<uint32_t>& queries, Partial& st,
-               AmxScratch& s) const {
+  // run() for the AMX set, for `count` consecutive decode rows of one row from `row` (of as many blocks, so
+  // they end in the same chunk, each seeing at least one of its positions), queries staged together: positions
+  // in chunks of up to 8 tiles of 16 slots (whole tiles of one block: block sizes are multiples of 16 here),
+  // each kv head's chunk in turn, the same slots a chunk on prefetched.
+  void run_amx(int64_t row, int64_t count, int64_t first, int64_t last, const std::vector<uint32_t>& queries,
+               Partial* const* st, AmxScratch& s) const {
     using attention_amx::kChunk;
     using attention_amx::kChunkTiles;
     using attention_amx::kTile;
     const FlushDenormals flush;
-    const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads, ctx = lens[row];
+    const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads;
+    const int columns = static_cast<int>(rows_per_stage() * group);
     const int32_t* blocks = table_of(row);
+    const int64_t ctx = *std::max_element(lens + row, lens + row + count);
     const int64_t lo = first * bs, hi = std::min<int64_t>(last * bs, ctx);
     for (int64_t p0 = lo; p0 < hi; p0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, hi - p0));
@@ -345,9 +361,19 @@ struct Decode {
             c.v_ahead[t] = reinterpret_cast<const char*>(v_cache + later) + kv * c.ahead_bytes;
           }
         }
-        const int64_t h = kv * group;
-        attention_amx::attend_chunk(queries.data() + h * dim / 2, c, static_cast<int>(group), dim, scale,
-                                    st.acc.data() + h * dim, st.max.data() + h, st.sum.data() + h, s);
+        attention_amx::Heads heads;
+        heads.count = static_cast<int>(count * group);
+        for (int64_t i = 0; i < count; ++i) {
+          const int seen = static_cast<int>(std::min<int64_t>(std::min<int64_t>(last * bs, lens[row + i]) - p0, n));
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t h = kv * group + g, column = i * group + g;
+            heads.acc[column] = st[i]->acc.data() + h * dim;
+            heads.max[column] = st[i]->max.data() + h;
+            heads.sum[column] = st[i]->sum.data() + h;
+            heads.n[column] = seen;
+          }
+        }
+        attention_amx::attend_chunk(queries.data() + kv * columns * dim / 2, c, columns, heads, dim, scale, s);
       }
     }
   }
@@ -378,21 +404,22 @@ struct Decode {
     }
   }
 
-  // Blocks [first, last) of `row` into `st` with the call's set.
-  void run_any(int64_t row, int64_t first, int64_t last, const Staged<S>& staged, Partial& st,
-               ThreadScratch<S>& s) const {
+  // Blocks [first, last) of `count` decode rows staged together (see stage) into their states st[0..count),
+  // with the call's set.
+  void run_rows(int64_t row, int64_t count, int64_t first, int64_t last, const Staged<S>& staged,
+                Partial* const* st, ThreadScratch<S>& s) const {
 #ifdef PAGEDSERVE_AMX
     if constexpr (kAmx<S>)
-      return run_amx(row, first, last, staged.tiles, st, s.amx);
+      return run_amx(row, count, first, last, staged.tiles, st, s.amx);
 #endif
 #ifdef PAGEDSERVE_INT8_DOT
     if constexpr (kInt8<S>)
-      return run_int8(row, first, last, staged.int8, st, s.int8);
+      return run_int8(row, first, last, staged.int8, *st[0], s.int8);
 #endif
     if constexpr (kQuant<C>)
-      run_quant(row, first, last, staged.values.data(), st, s.quant);
+      run_quant(row, first, last, staged.values.data(), *st[0], s.quant);
     else
-      run(row, first, last, staged.values.data(), st, s.vec);
+      run(row, first, last, staged.values.data(), *st[0], s.vec);
   }
 
   // Cuts each decode row into equal pieces, one per thread at most and none shorter than kMinPiece
@@ -400,12 +427,14 @@ struct Decode {
   // runs. Where a row is cut depends on its own length only, so its output does not depend on the batch
   // beside it: a verify row's tokens match decode steps bit for bit.
   // The tokens of a verify or prefill row that have as many blocks (so are cut at the same places) are read
-  // together, piece by piece: each token in turn attends kStep positions, so the others find those K/V in
-  // cache and a prefill chunk reads its context from memory once per group rather than once per token. Each
-  // token's arithmetic is the same as alone (kStep is a whole number of every set's chunks).
+  // together, piece by piece: each token (or each stage of rows_per_stage() tokens) in turn attends kStep
+  // positions, so the others find those K/V in cache and a prefill chunk reads its context from memory once
+  // per group rather than once per token. Each token's arithmetic is the same as alone (kStep is a whole
+  // number of every set's chunks; a tile product's columns do not mix).
   void operator()(int64_t rows, int64_t pieces) const {
     const int64_t bs = cache.block_size, threads = at::get_num_threads();
     const int64_t min_blocks = std::max<int64_t>(1, kMinPiece / bs), step = kStep / std::gcd(kStep, bs);
+    const int64_t per = rows_per_stage();
     const auto blocks_of = [&](int64_t r) { return (lens[r] + bs - 1) / bs; };
     const auto pieces_of = [&](int64_t r) {
       const int64_t blocks = blocks_of(r);
@@ -427,7 +456,7 @@ struct Decode {
     std::vector<Partial> partial(first[rows]);       // the pieces of rows that were cut
     at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
       ThreadScratch<S> scratch;
-      [[maybe_unused]] const TileScope<S> tiles(static_cast<int>(q_heads / kv_heads));
+      [[maybe_unused]] const TileScope<S> tiles(static_cast<int>(rows_per_stage() * (q_heads / kv_heads)));
       std::vector<Partial> whole;                    // the states of a group's rows that were not cut
       std::vector<Staged<S>> staged;
       std::vector<Partial*> target;
@@ -441,8 +470,8 @@ struct Decode {
           const int64_t j = piece - work[g], blocks = blocks_of(r0);
           const int64_t from = blocks * j / cut, to = blocks * (j + 1) / cut;
           if (g != staged_group) {
-            staged.resize(std::max<int64_t>(members, staged.size()));
-            for (int64_t m = 0; m < members; ++m) stage(r0 + m, staged[m]);
+            staged.resize(std::max<int64_t>((members + per - 1) / per, staged.size()));
+            for (int64_t m = 0; m < members; m += per) stage(r0 + m, std::min(per, members - m), staged[m / per]);
             staged_group = g;
           }
           whole.resize(std::max<int64_t>(members, whole.size()));
@@ -451,10 +480,11 @@ struct Decode {
             target[m] = cut == 1 ? &whole[m] : &partial[first[r0 + m] + j];
             target[m]->reset(q_heads, cache.dim);
           }
-          const int64_t span = members == 1 ? to - from : step;
+          const int64_t span = members <= per ? to - from : step;
           for (int64_t b = from; b < to; b += span)
-            for (int64_t m = 0; m < members; ++m)
-              run_any(r0 + m, b, std::min(b + span, to), staged[m], *target[m], scratch);
+            for (int64_t m = 0; m < members; m += per)
+              run_rows(r0 + m, std::min(per, members - m), b, std::min(b + span, to), staged[m / per],
+                       target.data() + m, scratch);
           if (cut == 1)
             for (int64_t m = 0; m < members; ++m) finish(r0 + m, whole[m]);
         }
