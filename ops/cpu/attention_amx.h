@@ -113,8 +113,9 @@ struct Heads {
 };
 
 // The slots of one chunk of one kv head: tile t's K and V rows start at k[t], v[t] (slot stride `stride`
-// values); `n` positions, the most any column sees. k_ahead[t] / v_ahead[t]: this kv head's share of the bytes of the 16 slots of tile t a chunk on,
-// all kv heads' rows as they lie in memory (null past the row's end), `ahead_bytes` long.
+// values); `n` positions, the most any column sees. k_ahead[t] / v_ahead[t]: this kv head's share of the
+// bytes of the 16 slots of tile t a chunk on, all kv heads' rows as they lie in memory (null past the row's
+// end), `ahead_bytes` long.
 struct Chunk {
   const c10::BFloat16* k[kChunkTiles];
   const c10::BFloat16* v[kChunkTiles];

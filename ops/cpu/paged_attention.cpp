@@ -122,7 +122,8 @@ struct ThreadScratch {
   AmxScratch amx;
 };
 
-// The tile registers configured for a call's GQA group on the AMX set's threads (nothing on the others).
+// The tile registers configured for a call's columns (rows_per_stage() GQA groups) on the AMX set's threads
+// (nothing on the others).
 #ifdef PAGEDSERVE_AMX
 template <class S>
 using TileScope = std::conditional_t<kAmx<S>, attention_amx::Tiles, int>;
