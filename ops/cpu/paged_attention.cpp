@@ -122,8 +122,7 @@ struct ThreadScratch {
   AmxScratch amx;
 };
 
-// The tile registers configured for a call's columns (rows_per_stage() GQA groups) on the AMX set's threads
-// (nothing on the others).
+// The tile registers configured for a call's tile_columns() on the AMX set's threads (nothing on the others).
 #ifdef PAGEDSERVE_AMX
 template <class S>
 using TileScope = std::conditional_t<kAmx<S>, attention_amx::Tiles, int>;
@@ -178,6 +177,9 @@ struct Decode {
     return 1;
   }
 
+  // The query heads side by side in the AMX set's tiles: rows_per_stage() GQA groups.
+  int tile_columns() const { return static_cast<int>(rows_per_stage() * (q_heads / kv_heads)); }
+
   // The queries of `count` (up to rows_per_stage()) consecutive decode rows of one row, from `row`, as the
   // set reads them (see Staged).
   void stage(int64_t row, int64_t count, Staged<S>& staged) const {
@@ -185,8 +187,7 @@ struct Decode {
 #ifdef PAGEDSERVE_AMX
     if constexpr (kAmx<S>)
       return attention_amx::stage_queries(static_cast<const c10::BFloat16*>(q) + first, count, kv_heads,
-                                          q_heads / kv_heads, dim, rows_per_stage() * (q_heads / kv_heads),
-                                          staged.tiles);
+                                          q_heads / kv_heads, dim, tile_columns(), staged.tiles);
 #endif
     (void)count;
     std::vector<Query<S>>& qs = staged.values;
@@ -332,7 +333,7 @@ struct Decode {
     using attention_amx::kTile;
     const FlushDenormals flush;
     const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads;
-    const int columns = static_cast<int>(rows_per_stage() * group);
+    const int columns = tile_columns();
     const int32_t* blocks = table_of(row);
     const int64_t ctx = *std::max_element(lens + row, lens + row + count);
     const int64_t lo = first * bs, hi = std::min<int64_t>(last * bs, ctx);
@@ -457,7 +458,7 @@ struct Decode {
     std::vector<Partial> partial(first[rows]);       // the pieces of rows that were cut
     at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
       ThreadScratch<S> scratch;
-      [[maybe_unused]] const TileScope<S> tiles(static_cast<int>(rows_per_stage() * (q_heads / kv_heads)));
+      [[maybe_unused]] const TileScope<S> tiles(tile_columns());
       std::vector<Partial> whole;                    // the states of a group's rows that were not cut
       std::vector<Staged<S>> staged;
       std::vector<Partial*> target;
