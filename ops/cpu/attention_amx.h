@@ -17,17 +17,15 @@
 // a share (block tables scatter blocks, which the hardware prefetchers cannot follow).
 #pragma once
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
+#include "amx.h"
 #include "simd.h"
 
-#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__) && defined(PAGEDSERVE_AMX_TILE) && defined(__AMX_BF16__)
 #define PAGEDSERVE_AMX 1
 
 namespace pagedserve_cpu::attention_amx {
@@ -42,43 +40,18 @@ constexpr int kMaxGroup = 16;        // query heads: the B tile's columns (score
 constexpr int kOutTiles = 4;         // output tiles live at once: 64 values of a head per pass
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Linux hands out the AMX register state only to a process that asks for it (once; later asks are no-ops).
-inline bool available() {
-  constexpr long kReqPerm = 0x1023, kTileData = 18;    // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-  static const bool granted = syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0;
-  return granted;
-}
-
 // The tile shapes for G query heads (a GQA group, or the groups of a few tokens side by side): tmm0 scores
 // (16 slots x G), tmm1 K rows or paired V rows (16 x 64 bytes), tmm2 the queries in pairs (16 pairs x G), tmm3
-// the weights (G heads x 32 positions), tmm4..7 outputs (G heads x 16 values). Loaded per thread (the shapes
-// live in each core's registers).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  explicit TileConfig(int columns) {
-    const auto set = [&](int t, int r, int bytes) { rows[t] = r, colsb[t] = bytes; };
-    set(0, kTile, 4 * columns);
-    set(1, kTile, 64);
-    set(2, kPairs, 4 * columns);
-    set(3, columns, 64);
-    for (int t = 4; t < 4 + kOutTiles; ++t) set(t, columns, 64);
-  }
-};
-
-// The tile registers configured while it lives (released after: a thread holding them costs every context
-// switch their 8 KB).
-struct Tiles {
-  explicit Tiles(int columns) {
-    const TileConfig config(columns);
-    // (through asm: GCC 12 took _tile_loadconfig for a call that reads nothing and dropped the stores)
-    asm volatile("ldtilecfg %0" : : "m"(config));
-  }
-  ~Tiles() { _tile_release(); }
-  Tiles(const Tiles&) = delete;
-  Tiles& operator=(const Tiles&) = delete;
-};
+// the weights (G heads x 32 positions), tmm4..7 outputs (G heads x 16 values).
+inline amx::TileConfig tile_config(int columns) {
+  amx::TileConfig config;
+  config.set(0, kTile, 4 * columns);
+  config.set(1, kTile, 64);
+  config.set(2, kPairs, 4 * columns);
+  config.set(3, columns, 64);
+  for (int t = 4; t < 4 + kOutTiles; ++t) config.set(t, columns, 64);
+  return config;
+}
 
 // Tokens whose GQA groups share the tiles' columns: as many as fit in 16.
 inline int tokens_per_tile(int64_t group) { return static_cast<int>(std::max<int64_t>(1, kMaxGroup / group)); }

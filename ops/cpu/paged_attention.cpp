@@ -122,13 +122,13 @@ struct ThreadScratch {
   AmxScratch amx;
 };
 
-// The tile registers configured for a call's tile_columns() on the AMX set's threads (nothing on the others).
+// The tile registers configured for a call (tile_config) on the AMX set's threads (nothing on the others).
 #ifdef PAGEDSERVE_AMX
 template <class S>
-using TileScope = std::conditional_t<kAmx<S>, attention_amx::Tiles, int>;
+using TileScope = std::conditional_t<kAmx<S>, pagedserve_cpu::amx::Tiles, pagedserve_cpu::amx::NoTiles>;
 #else
 template <class S>
-using TileScope = int;
+using TileScope = pagedserve_cpu::amx::NoTiles;
 #endif
 
 template <class S, class C>
@@ -179,6 +179,14 @@ struct Decode {
 
   // The query heads side by side in the AMX set's tiles: rows_per_stage() GQA groups.
   int tile_columns() const { return static_cast<int>(rows_per_stage() * (q_heads / kv_heads)); }
+
+  // The tile shapes of the call's set (none for the sets without tiles).
+  pagedserve_cpu::amx::TileConfig tile_config() const {
+#ifdef PAGEDSERVE_AMX
+    if constexpr (kAmx<S>) return attention_amx::tile_config(tile_columns());
+#endif
+    return {};
+  }
 
   // The queries of `count` (up to rows_per_stage()) consecutive decode rows of one row, from `row`, as the
   // set reads them (see Staged).
@@ -458,7 +466,7 @@ struct Decode {
     std::vector<Partial> partial(first[rows]);       // the pieces of rows that were cut
     at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
       ThreadScratch<S> scratch;
-      [[maybe_unused]] const TileScope<S> tiles(tile_columns());
+      [[maybe_unused]] const TileScope<S> tiles(tile_config());
       std::vector<Partial> whole;                    // the states of a group's rows that were not cut
       std::vector<Staged<S>> staged;
       std::vector<Partial*> target;
@@ -525,7 +533,7 @@ void decode(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, con
 #ifdef PAGEDSERVE_AMX
       // (lanes 16 asks for the VDPBF16PS set)
       if (lanes <= 0 && cache.block_size % attention_amx::kTile == 0 &&
-          q.size(1) / k_cache.size(2) <= attention_amx::kMaxGroup && attention_amx::available())
+          q.size(1) / k_cache.size(2) <= attention_amx::kMaxGroup && pagedserve_cpu::amx::available())
         return run(AmxBf16{});
 #endif
       return run(Avx512Bf16{});

@@ -11,12 +11,7 @@
 
 #include <cstdint>
 
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAGEDSERVE_AMX 1
-#endif
+#include "amx.h"
 
 namespace pagedserve_cpu::tiles {
 
@@ -25,11 +20,10 @@ constexpr int kCols = 16;        // outputs per product: two 8-row weight tiles
 constexpr int kBRow = 64;        // bytes per row of B: 4 k of each output
 constexpr int kGroupB = 512;     // one group's unpacked B: int4 8 rows; int6 two halves of 4 rows
 
-// Whether this process can run AMX tiles: built for them and granted the tile-data state by the kernel.
+// Whether this process can run AMX-INT8 tiles.
 inline bool hardware() {
-#ifdef PAGEDSERVE_AMX
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return granted;
+#ifdef PAGEDSERVE_AMX_INT8
+  return amx::available();
 #else
   return false;
 #endif
@@ -40,25 +34,21 @@ inline bool hardware() {
 // configuration per thread); fewer rows make the tile loads and stores cheaper.
 class Products {
  public:
-  Products(int kbytes, int rows, bool amx) : kbytes_(kbytes), rows_(rows), amx_(amx) {
-#ifdef PAGEDSERVE_AMX
+  Products(int kbytes, int rows, bool use_amx) : kbytes_(kbytes), rows_(rows), amx_(use_amx) {
+#ifdef PAGEDSERVE_AMX_INT8
     if (amx_) {
-      struct alignas(64) {
-        uint8_t palette = 1, start_row = 0, reserved[14] = {};
-        uint16_t colsb[16] = {};
-        uint8_t rows[16] = {};
-      } config;
+      amx::TileConfig config;
       for (int t = 0; t < 2; ++t) {
-        config.rows[t] = static_cast<uint8_t>(rows), config.colsb[t] = kCols * 4;              // tmm0-1: C
-        config.rows[2 + t] = static_cast<uint8_t>(rows), config.colsb[2 + t] = static_cast<uint16_t>(kbytes);  // A
-        config.rows[4 + t] = static_cast<uint8_t>(kbytes / 4), config.colsb[4 + t] = kBRow;   // tmm4-5: B
+        config.set(t, rows, kCols * 4);         // tmm0-1: C
+        config.set(2 + t, rows, kbytes);        // tmm2-3: A
+        config.set(4 + t, kbytes / 4, kBRow);   // tmm4-5: B
       }
-      _tile_loadconfig(&config);
+      amx::configure(config);
     }
 #endif
   }
   ~Products() {
-#ifdef PAGEDSERVE_AMX
+#ifdef PAGEDSERVE_AMX_INT8
     if (amx_) _tile_release();
 #endif
   }
@@ -67,7 +57,7 @@ class Products {
 
   void two(const int8_t* a0, const int8_t* b0, const int8_t* a1, const int8_t* b1, int64_t stride, int32_t* c0,
            int32_t* c1) const {
-#ifdef PAGEDSERVE_AMX
+#ifdef PAGEDSERVE_AMX_INT8
     if (amx_) {
       _tile_loadd(2, a0, stride);
       _tile_loadd(4, b0, kBRow);
