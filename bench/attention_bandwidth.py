@@ -11,18 +11,23 @@ previous calls did not read (a revision from before quantized caches were kept i
 values in its own row order). `--hot` keeps one layer instead (16 calls a round), so a context whose K/V fit
 the caches times the kernel's arithmetic without the memory: the floor below which no prefetching can bring
 it. `--reads` adds bench/kv_reads.cpp's reads of the same bytes with no arithmetic, block by block in memory
-order with prefetching ("reads"): the most a kernel reading the cache could reach. The machines are shared:
-compare kernels within one run, and rerun when the probe reads low.
+order with prefetching ("reads"): the most a kernel reading the cache could reach. `--reads-work N ...` adds
+those reads with N fp32 multiply-adds (16 lanes) on the data per 64-byte line pair ("reads+N"): with `--hot`
+that arithmetic alone, without it how much of it the machine hides under the reads (a kernel's arithmetic
+is hidden only as far as this synthetic one is). The machines are shared: compare kernels within one run, and
+rerun when the probe reads low.
 
     .venv/bin/python bench/attention_bandwidth.py --baseline HEAD
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes float32 --kv-dtypes bfloat16 float16
     .venv/bin/python bench/attention_bandwidth.py --rows 1 32 --kv-dtypes bfloat16 q8_0 q4_0
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --contexts 2048 --kv-dtypes q8_0 --hot
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes bfloat16 --kv-dtypes q8_0 --reads
+    .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes bfloat16 --kv-dtypes q8_0 --reads-work 16 32 64
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import subprocess
 import sys
@@ -53,6 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="one layer, read again by every call: with K/V in cache, what the kernel's arithmetic costs")
     p.add_argument("--reads", action="store_true",
                    help="also time the reads alone, with no arithmetic (bench/kv_reads.cpp)")
+    p.add_argument("--reads-work", type=int, nargs="+", default=[],
+                   help="also time the reads with this many multiply-adds per 64-byte line pair, each")
     return p.parse_args(argv)
 
 
@@ -88,9 +95,9 @@ def build_baseline(ref: str):
     return torch.ops.pagedserve_baseline.paged_attention_decode
 
 
-def build_reads() -> dict:
-    """bench/kv_reads.cpp's op, which reads what a decode call reads and computes nothing, called like the
-    kernels."""
+def build_reads(works: list[int]) -> dict:
+    """bench/kv_reads.cpp's op, which reads what a decode call reads, called like the kernels: with no
+    arithmetic ("reads"), and with each of `works` multiply-adds per line pair."""
     from torch.utils import cpp_extension
 
     from ops.cpu import build
@@ -100,7 +107,8 @@ def build_reads() -> dict:
     cpp_extension.load(name="pagedserve_bench_reads", sources=[str(BENCH / "kv_reads.cpp")],
                        extra_cflags=build.CFLAGS, extra_ldflags=build.LDFLAGS, build_directory=str(root),
                        is_python_module=False, verbose=False)
-    return {"reads": torch.ops.pagedserve_bench.paged_reads}
+    reads = torch.ops.pagedserve_bench.paged_reads
+    return {f"reads+{w}" if w else "reads": functools.partial(reads, work=w) for w in works}
 
 
 def random_rows(dims: tuple[int, ...], fmt: str, g: torch.Generator) -> torch.Tensor:
@@ -188,8 +196,8 @@ def main(argv: list[str]) -> None:
         kernels[f"old ({args.baseline})"] = build_baseline(args.baseline)
         if reads_rows(args.baseline):
             in_rows.add(f"old ({args.baseline})")
-    if args.reads:
-        kernels.update(build_reads())
+    if args.reads or args.reads_work:
+        kernels.update(build_reads(([0] if args.reads else []) + args.reads_work))
     bandwidth = measure_bandwidth_gb_s()
     print(f"probe (bench/roofline.py) {bandwidth:.1f} GB/s, {args.threads} threads, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; medians, and % of the read probe of the same run")
