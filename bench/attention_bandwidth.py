@@ -22,7 +22,7 @@ rerun when the probe reads low.
     .venv/bin/python bench/attention_bandwidth.py --rows 1 32 --kv-dtypes bfloat16 q8_0 q4_0
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --contexts 2048 --kv-dtypes q8_0 --hot
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes bfloat16 --kv-dtypes q8_0 --reads
-    .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes bfloat16 --kv-dtypes q8_0 --reads-work 16 32 64
+    .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes bfloat16 --kv-dtypes q8_0 --reads-work 4 8 16
 """
 from __future__ import annotations
 
