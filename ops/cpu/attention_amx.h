@@ -5,12 +5,13 @@
 //  - scores: the K rows of 16 slots are the A tile as they lie in the cache (16 rows of 32 values, strided by
 //    the slot), the B tile the G queries' values in pairs (staged once per row; the groups of as many tokens
 //    of a prefill or verify row as fit in 16 columns side by side), so one tile product adds 32 values'
-//    share to 16 slots x G scores. A chunk of up to 8 such tiles (128 positions) is scored, then
+//    share to 16 slots x G scores. A chunk of up to 8 such tiles (128 positions) is scored and stored, then
 //    gathered into one vector of 16 positions per head for the softmax.
 //  - values: the A tile the G heads' softmax weights of 32 positions (bf16, one row per head), the B tile
-//    the V rows of those positions paired position by position (two permutes per 32 values of a pair), one
-//    output tile per 16 values of the head. 4 output tiles live at once, so a chunk is read in passes of 64
-//    values, each pass reading its own cache lines of the V rows.
+//    the V rows of those positions paired position by position (two unpacks per 32 values of a pair, which
+//    pair within 128-bit lanes: an output tile's columns hold a head's values in the order of
+//    paged_attention.cpp's acc_index), one output tile per 16 values of the head. 4 output tiles live at
+//    once, so a chunk is read in passes of 64 values, each pass reading its own cache lines of the V rows.
 // The weights of a chunk are taken relative to the running max once the chunk is scored; the output tiles
 // start from zero per chunk and are added to the fp32 accumulators with the chunk's correction. The slots a
 // chunk on are prefetched into L2 while a chunk is read, all of a tile's bytes in memory order, each kv head
@@ -100,7 +101,7 @@ struct Chunk {
 
 // Per thread.
 struct Scratch {
-  alignas(64) float tile[kTile * kMaxGroup];           // a score tile as stored: [slot][head]
+  alignas(64) float tile[kChunkTiles * kTile * kMaxGroup];   // a chunk's score tiles as stored: [tile][slot][head]
   alignas(64) float scores[kMaxGroup * kChunk];        // [head][position]
   alignas(64) uint16_t weights[kMaxGroup * kChunk];    // bf16 [head][position]: rows of the weight tiles
   alignas(64) uint16_t paired[kOutTiles * kPairs * 2 * kTile];   // V rows of 32 positions, one B tile per 16 values
@@ -129,12 +130,14 @@ inline void score_chunk(const uint32_t* queries, const Chunk& c, int columns, in
       _tile_loadd(2, queries + d / 2 * columns, 4 * columns);
       _tile_dpbf16ps(0, 1, 2);
     }
-    _tile_stored(0, s.tile, 4 * kMaxGroup);
+    _tile_stored(0, s.tile + t * kTile * kMaxGroup, 4 * kMaxGroup);
+  }
+  for (int t = 0; t * kTile < c.n; ++t)     // all tiles stored first: a load right after a tile store waits
     for (int g = 0; g < count; ++g) {
-      const __m512 x = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(g)), s.tile, 4);
+      const float* tile = s.tile + t * kTile * kMaxGroup;
+      const __m512 x = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(g)), tile, 4);
       _mm512_store_ps(s.scores + g * kChunk + t * kTile, _mm512_mul_ps(x, _mm512_set1_ps(scale)));
     }
-  }
 }
 
 // The online-softmax update of the heads over the chunk's scores: running max and sum, the accumulators'
@@ -175,9 +178,6 @@ inline void softmax_chunk(const Chunk& c, const Heads& heads, Scratch& s) {
 // one B tile per 16 values, against the 32 weights of each head.
 template <int Tiles>
 PAGEDSERVE_INLINE void add_values(const Chunk& c, const Heads& heads, int64_t dim, int64_t d0, Scratch& s) {
-  alignas(64) static const uint16_t lo_index[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo = _mm512_load_si512(lo_index), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   constexpr int kPass = kOutTiles * kTile, kRow = 2 * kTile;     // values per pass; bf16 per B tile row
   const int64_t passes = (dim + kPass - 1) / kPass, pass = d0 / kPass;
   const int64_t lines = c.ahead_bytes / 64, per = (lines + passes * kPairs - 1) / (passes * kPairs);
@@ -194,9 +194,8 @@ PAGEDSERVE_INLINE void add_values(const Chunk& c, const Heads& heads, int64_t di
         const int64_t at = d0 + i * kTile;
         const __m512i x = a < c.n ? _mm512_loadu_si512(c.v[t] + a % kTile * c.stride + at) : _mm512_setzero_si512();
         const __m512i y = b < c.n ? _mm512_loadu_si512(c.v[t] + b % kTile * c.stride + at) : _mm512_setzero_si512();
-        _mm512_store_si512(s.paired + (i * kPairs + r) * kRow, _mm512_permutex2var_epi16(x, lo, y));
-        if (i + 1 < Tiles)
-          _mm512_store_si512(s.paired + ((i + 1) * kPairs + r) * kRow, _mm512_permutex2var_epi16(x, hi, y));
+        _mm512_store_si512(s.paired + (i * kPairs + r) * kRow, _mm512_unpacklo_epi16(x, y));
+        _mm512_store_si512(s.paired + ((i + 1) * kPairs + r) * kRow, _mm512_unpackhi_epi16(x, y));
       }
     }
     _tile_loadd(3, s.weights + p0, kChunk * sizeof(uint16_t));

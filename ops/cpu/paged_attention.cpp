@@ -162,8 +162,8 @@ struct Decode {
 
   // Where value d of a head sits in the accumulators.
   static int64_t acc_index(int64_t d) {
-    if constexpr (kAmx<S>)
-      return d;
+    if constexpr (kAmx<S>)   // attention_amx.h's add_values: value 8j + 4h + k of 32 in column 16h + 4j + k
+      return (d & ~31) | (d >> 2 & 1) << 4 | (d >> 3 & 3) << 2 | (d & 3);
     else
       return lane<S, C>(d);
   }
