@@ -178,6 +178,7 @@ inline void softmax_chunk(const Chunk& c, const Heads& heads, Scratch& s) {
 // one B tile per 16 values, against the 32 weights of each head.
 template <int Tiles>
 PAGEDSERVE_INLINE void add_values(const Chunk& c, const Heads& heads, int64_t dim, int64_t d0, Scratch& s) {
+  static_assert(Tiles % 2 == 0, "the unpacks fill two output tiles from each 32 values of a V row");
   constexpr int kPass = kOutTiles * kTile, kRow = 2 * kTile;     // values per pass; bf16 per B tile row
   const int64_t passes = (dim + kPass - 1) / kPass, pass = d0 / kPass;
   const int64_t lines = c.ahead_bytes / 64, per = (lines + passes * kPairs - 1) / (passes * kPairs);
