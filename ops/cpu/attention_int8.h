@@ -142,6 +142,12 @@ PAGEDSERVE_INLINE void prefetch_row(const uint8_t* ahead, int64_t offset) {
   if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + offset), _MM_HINT_T1);
 }
 
+// Prefetches the scales of a tile two chunks ahead: all their lines (128 bytes at head_dim 128), since a line
+// left out is a miss to memory on every tile.
+PAGEDSERVE_INLINE void prefetch_scales(const uint8_t* ahead, int64_t dim) {
+  for (int64_t at = 0; at < kv_quant::values_of(dim); at += kv_quant::kRow) prefetch_row(ahead, at);
+}
+
 // The scaled scores of T tiles (from tile t0 of the chunk) for G query heads from h: per 32-value block, the K
 // rows' dot products with the query's int8 values in int32 lanes, then times the keys' and the query's scales.
 template <class C, int G, int T>
@@ -150,7 +156,7 @@ PAGEDSERVE_INLINE void score_tiles(const Queries& q, int64_t h, const Chunk& c, 
   const int64_t blocks = dim / kBlock;
   for (int t = 0; t < T; ++t)
     for (int g = 0; g < G; ++g) sc[t][g] = _mm512_setzero_ps();
-  for (int t = 0; t < T; ++t) prefetch_row(c.k_ahead[t0 + t], 0);
+  for (int t = 0; t < T; ++t) prefetch_scales(c.k_ahead[t0 + t], dim);
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i dot[T][G];
     for (int g = 0; g < G; ++g) {
@@ -360,7 +366,7 @@ void attend_chunk(const Queries& q, int64_t h, float* acc, float* run_max, float
   // the values' accumulators of up to 4 heads fit the registers (4 a head: GCC spilled all of them every
   // step for 6); more take two passes over the chunk's values, the second from L1
   constexpr int P = G <= 4 ? G : (G + 1) / 2;
-  for (int t = 0; t < tiles; ++t) prefetch_row(c.v_ahead[t], 0);
+  for (int t = 0; t < tiles; ++t) prefetch_scales(c.v_ahead[t], dim);
   add_values<C, P>(s, c, 0, tiles, blocks, step, dim, acc);
   if constexpr (P < G) add_values<C, G - P>(s, c, P, tiles, blocks, step, dim, acc);
 }
