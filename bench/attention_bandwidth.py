@@ -169,8 +169,11 @@ def measure(kernels: dict, cases: list, rounds: int, in_rows: set) -> dict[str, 
         for case in cases:
             fn(*args(name, case), HEAD_DIM ** -0.5)
     turn = 0
-    for _ in range(rounds * len(cases)):
-        for name in times:
+    for r in range(rounds * len(cases)):
+        # the kernels take turns in the opposite order every other pass: the one that always followed the
+        # probe timed slower than the same code after another kernel
+        order = [*kernels] if r % 2 == 0 else [*reversed(kernels)]
+        for name in [*order, "read probe"]:
             i, turn = turn % len(cases), turn + 1
             t0 = time.perf_counter()
             if name == "read probe":
