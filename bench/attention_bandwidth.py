@@ -5,7 +5,9 @@ Default-model shapes (Qwen2.5-1.5B: 12 query heads, 2 kv heads, head_dim 128, bl
 per row. Each case cycles over enough layers' caches that their K/V cannot stay in the last-level cache,
 allocated as the engine's pool allocates them, with shuffled block tables (a pool after some churn). Two
 probes: bench/roofline.py's (a 256 MiB copy and sum, at the start) and a sum over the same K/V bytes,
-timed between the kernel calls. With `--baseline REV` the C++ kernel of that git revision is built into a
+timed between the kernel calls; the table gives a kernel's rate as a share of each ("of roofline" is the
+machine's bandwidth: a case's own probe is two torch calls, and over one row's few MiB their overheads keep
+it well below that). With `--baseline REV` the C++ kernel of that git revision is built into a
 scratch extension and timed alternately with this checkout's, call by call, each call on a layer the
 previous calls did not read (a revision from before quantized caches were kept in tiles gets the same
 values in its own row order). `--hot` keeps one layer instead (16 calls a round), so a context whose K/V fit
@@ -203,8 +205,10 @@ def main(argv: list[str]) -> None:
         kernels.update(build_reads(([0] if args.reads else []) + args.reads_work))
     bandwidth = measure_bandwidth_gb_s()
     print(f"probe (bench/roofline.py) {bandwidth:.1f} GB/s, {args.threads} threads, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}; medians, and % of the read probe of the same run")
-    print(f"{'rows':>5} {'ctx':>6} {'q':>9} {'kv':>9} {'kernel':>12} {'ms':>8} {'GB/s':>7} {'of probe':>9}")
+          f"{torch.backends.cpu.get_cpu_capability()}; medians, and % of the read probe of the same case "
+          f"and of bench/roofline.py's probe")
+    print(f"{'rows':>5} {'ctx':>6} {'q':>9} {'kv':>9} {'kernel':>12} {'ms':>8} {'GB/s':>7} {'of probe':>9} "
+          f"{'of roofline':>12}")
     with torch.inference_mode():
         for rows in args.rows:
             for context in args.contexts:
@@ -219,7 +223,7 @@ def main(argv: list[str]) -> None:
                         for name, ts in times.items():
                             s = statistics.median(ts)
                             print(f"{rows:>5} {context:>6} {q_name:>9} {kv_name:>9} {name:>12} {s * 1e3:>8.3f} "
-                                  f"{nbytes / s / 1e9:>7.1f} {probe / s:>9.0%}")
+                                  f"{nbytes / s / 1e9:>7.1f} {probe / s:>9.0%} {nbytes / s / 1e9 / bandwidth:>12.0%}")
                         del cases
 
 
