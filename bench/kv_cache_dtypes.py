@@ -1,5 +1,6 @@
 """K/V cache dtypes on the default model: single-stream decode speed after long contexts next to the
-bandwidth roofline of the bytes a step reads (weights + K/V, probe measured in the same run), and
+bandwidth roofline of the bytes a step reads (weights + K/V, probe measured in the same run) and the share
+of it attention reaches (the contexts decoded in turn, `--rounds` times), and
 fidelity against fp32 K/V — greedy agreement over a code reply and the per-token log-likelihood
 (perplexity) of a fixed text; the aggregate decode rate of several streams after a shared long
 prompt (llama-batched-bench -pps does the same); the time to prefill a fresh long prompt. Also how many
@@ -54,17 +55,24 @@ def speed(args) -> None:
         sessions = (1 << 30) / (per_token * SESSION)
         print(f"{dtype}: K/V {per_token / 1024:.1f} KiB per token, {sessions:.2f} sessions of {SESSION:,} "
               f"tokens per GiB of pool; weights {weights / 2**20:.0f} MiB")
-        speeds = {}
-        for ctx in sorted(args.contexts):   # each prompt extends the last: the prefix cache holds it
-            handle = engine.loop.submit(prompt[:ctx], SamplingParams(temperature=0, max_tokens=args.tokens,
-                                                                     ignore_eos=True), bounded=False)
-            engine.loop.run_until_idle()
-            times = [t for d in handle for t in d.token_times]
-            gaps = [b - a for a, b in zip(times, times[1:])]
-            speeds[ctx] = 1 / statistics.median(gaps)
-            roof = 1 / machine.decode_step_s(weight_bytes=weights, kv_bytes=int(per_token * ctx))
-            print(f"  context {ctx:6,}: {speeds[ctx]:5.1f} tok/s ({speeds[ctx] / speeds[min(speeds)]:4.0%} of "
-                  f"{min(speeds):,}), roofline {roof:5.1f} tok/s ({speeds[ctx] / roof:4.0%} of it)", flush=True)
+        gaps = {ctx: [] for ctx in sorted(args.contexts)}
+        for _ in range(args.rounds):       # contexts in turn, so a drift in the machine's load hits all
+            for ctx in gaps:               # each prompt extends the last: the prefix cache holds it
+                handle = engine.loop.submit(prompt[:ctx], SamplingParams(temperature=0, max_tokens=args.tokens,
+                                                                         ignore_eos=True), bounded=False)
+                engine.loop.run_until_idle()
+                times = [t for d in handle for t in d.token_times]
+                gaps[ctx] += [b - a for a, b in zip(times, times[1:])]
+        step = {ctx: statistics.median(g) for ctx, g in gaps.items()}
+        first = min(step)
+        for ctx, s in step.items():
+            roof = machine.decode_step_s(weight_bytes=weights, kv_bytes=int(per_token * ctx))
+            # attention against its share of the bandwidth: the extra K/V bytes over the shortest context's
+            # at the probe's rate, over the extra time its steps took (the rest of a step is the same)
+            kv_s = machine.decode_step_s(weight_bytes=0, kv_bytes=int(per_token * (ctx - first)))
+            share = f", attention {kv_s / (s - step[first]):4.0%} of its bandwidth share" if s > step[first] else ""
+            print(f"  context {ctx:6,}: {1 / s:5.1f} tok/s ({step[first] / s:4.0%} of {first:,}), roofline "
+                  f"{1 / roof:5.1f} tok/s ({roof / s:4.0%} of it){share}", flush=True)
         del llm, engine
         gc.collect()
 
@@ -159,7 +167,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--reply-tokens", type=int, default=256)
     p.add_argument("--text-tokens", type=int, default=2000)
     p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2, help="fresh prompts per context (prefill)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="fresh prompts per context (prefill); passes over the contexts in turn (speed)")
     args = p.parse_args(argv)
     {"speed": speed, "fidelity": fidelity, "streams": streams, "prefill": prefill}[args.part](args)
 
