@@ -180,6 +180,16 @@ def test_paged_attention_kernel_checks_decode_rows_lengths():
     assert ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.125)[1] == 2
 
 
+def test_paged_attention_kernel_with_prefill_rows_only():
+    """A call whose every row is longer than max_tokens (a prefill-only step on CPUs where long rows go to
+    SDPA) attends nothing and counts the rows for the caller; it once read past its empty list of decode rows."""
+    q, kc, vc, qsl, ctx, tables = _paged([(20, 6), (9, 3)], 4, 2, 64, torch.float32)
+    out, prefill = ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.125, 0, 0, 2)
+    assert prefill == 2 and not out.any()
+    torch.testing.assert_close(pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125),
+                               reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125), **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_write_kv_matches_reference_and_skips_padding(dtype):
     g = torch.Generator().manual_seed(3)

@@ -442,6 +442,7 @@ struct Decode {
   // per group rather than once per token. Each token's arithmetic is the same as alone (kStep is a whole
   // number of every set's chunks; a tile product's columns do not mix).
   void operator()(int64_t rows, int64_t pieces) const {
+    if (rows == 0) return;                           // prefill rows only: nothing here (nor a group to form)
     const int64_t bs = cache.block_size, threads = at::get_num_threads();
     const int64_t min_blocks = std::max<int64_t>(1, kMinPiece / bs), step = kStep / std::gcd(kStep, bs);
     const int64_t per = rows_per_stage();
