@@ -310,6 +310,18 @@ def test_dense_linear_matches_float64_on_decode_sized_batches(dtype, n, k):
         torch.testing.assert_close(got.float() / scale, want.float() / scale, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_linear_row_is_the_same_bits_in_any_batch(dtype):
+    """A row's outputs do not depend on the rows beside it (where it falls in the 4-row blocks): a decode
+    step alone and the same token in a speculative verify row or a larger batch get one result."""
+    g = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(37, 200, generator=g).to(dtype), torch.randn(9, 200, generator=g).to(dtype)
+    alone = torch.cat([pagedserve.dense_linear(x[i:i + 1], weight) for i in range(9)])
+    for m in range(2, 10):
+        for start in range(0, 9 - m + 1):
+            assert torch.equal(pagedserve.dense_linear(x[start:start + m], weight), alone[start:start + m]), (m, start)
+
+
 def test_dense_linear_uses_the_kernel_only_where_it_applies(monkeypatch):
     weight, x = torch.randn(24, 64), torch.randn(3, 64)
     calls = []

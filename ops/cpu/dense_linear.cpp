@@ -35,42 +35,34 @@ constexpr int64_t kGroups = 16;       // W row groups per unit of parallel work 
 constexpr int64_t kPrefetch = 2048;
 
 // out[r][c] = (x row r . W row c) over `len` values (a multiple of 8), prefetching each cache line of the
-// rows `pf` at the same offsets when kPrefetchRows. One or two x rows use two accumulators per dot, so the
-// FMA latency does not bound the loop.
+// rows `pf` at the same offsets when kPrefetchRows. Every dot sums in the same order whatever MR is, so a
+// row's outputs do not depend on the rows beside it in the batch (one or two rows with FMA latency bound
+// are still faster than memory brings W).
 // noinline: inlined into the driver's loops, GCC's register allocation made the 8-row case 1.5-2.6x
 // slower (same source built as a separate function: 0.77 against 2.05 ms for 8 x 3072 -> 1024).
 template <int MR, bool kPrefetchRows, typename T>
 __attribute__((noinline)) void tile(const T* x, int64_t x_stride, const T* const w[kCols], const T* const pf[kCols],
                                     int64_t len, float out[kRows][kCols]) {
-  constexpr int kSplit = MR <= 2 ? 2 : 1;
-  __m256 acc[MR][kCols][kSplit];
+  __m256 acc[MR][kCols];
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < kCols; ++c)
-      for (int u = 0; u < kSplit; ++u) acc[r][c][u] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < len; i += 8 * kSplit) {
+    for (int c = 0; c < kCols; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < len; i += 8) {
     if (kPrefetchRows && i % (64 / sizeof(T)) == 0)
       for (int c = 0; c < kCols; ++c) __builtin_prefetch(pf[c] + i);
-    for (int u = 0; u < kSplit && i + 8 * u < len; ++u) {
-      const int64_t at = i + 8 * u;
-      __m256 a = load8(w[0] + at), b = load8(w[1] + at), d = load8(w[2] + at);
-      // Each vector is loaded once into a register (the empty asm statements): left alone, GCC folded W's
-      // or x's loads into every FMA, 15-16 loads for 12 FMAs instead of 7.
-      asm("" : "+x"(a), "+x"(b), "+x"(d));
-      for (int r = 0; r < MR; ++r) {
-        __m256 xv = load8(x + r * x_stride + at);
-        asm("" : "+x"(xv));
-        acc[r][0][u] = _mm256_fmadd_ps(xv, a, acc[r][0][u]);
-        acc[r][1][u] = _mm256_fmadd_ps(xv, b, acc[r][1][u]);
-        acc[r][2][u] = _mm256_fmadd_ps(xv, d, acc[r][2][u]);
-      }
+    __m256 a = load8(w[0] + i), b = load8(w[1] + i), d = load8(w[2] + i);
+    // Each vector is loaded once into a register (the empty asm statements): left alone, GCC folded W's
+    // or x's loads into every FMA, 15-16 loads for 12 FMAs instead of 7.
+    asm("" : "+x"(a), "+x"(b), "+x"(d));
+    for (int r = 0; r < MR; ++r) {
+      __m256 xv = load8(x + r * x_stride + i);
+      asm("" : "+x"(xv));
+      acc[r][0] = _mm256_fmadd_ps(xv, a, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, b, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(xv, d, acc[r][2]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < kCols; ++c) {
-      __m256 sum = acc[r][c][0];
-      for (int u = 1; u < kSplit; ++u) sum = _mm256_add_ps(sum, acc[r][c][u]);
-      out[r][c] = hsum(sum);
-    }
+    for (int c = 0; c < kCols; ++c) out[r][c] = hsum(acc[r][c]);
 }
 
 template <bool kPrefetchRows, typename T>
