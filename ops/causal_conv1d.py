@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from ops import pointwise
 from ops._registry import (NAMESPACE, checkpoint_rows, impl, register, require, require_checkpoints,
                            require_slot_rows)
 
@@ -67,7 +67,7 @@ def _convolve(windows: Tensor, weight: Tensor, apply_silu: bool) -> Tensor:
     taps, length = weight.shape[1], windows.shape[2] - weight.shape[1] + 1
     w = weight.float()
     out = sum(windows[:, :, j:j + length].float() * w[:, j, None] for j in range(taps))
-    out = F.silu(out) if apply_silu else out
+    out = pointwise.silu(out) if apply_silu else out
     return out.to(windows.dtype)
 
 

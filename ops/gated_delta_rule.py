@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ops import pointwise
 from ops._registry import (NAMESPACE, checkpoint_rows, impl, register, require, require_checkpoints,
                            require_slot_rows)
 
@@ -60,8 +61,8 @@ def _prepare(q: Tensor, k: Tensor, heads_v: int, use_qk_l2norm: bool) -> tuple[T
     """fp32 q, k with one head per value head; normalised like the fla kernels (rsqrt(sum sq + 1e-6))."""
     q, k = q.float(), k.float()
     if use_qk_l2norm:
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q = q * pointwise.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * pointwise.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     q = q * q.shape[-1] ** -0.5
     group = heads_v // q.shape[1]
     if group > 1:

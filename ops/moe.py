@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ops import pointwise
 from ops._registry import NAMESPACE, impl, register, require
 
 
@@ -83,7 +84,7 @@ def torch_moe_experts(x: Tensor, gate_up: Tensor, down: Tensor, weights: Tensor,
         tokens = token_of[start:start + count]
         h = F.linear(x.index_select(0, tokens), gate_up[expert])
         inter = h.shape[-1] // 2
-        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], down[expert])
+        y = F.linear(pointwise.silu(h[:, :inter]) * h[:, inter:], down[expert])
         out.index_add_(0, tokens, y * weight_of[start:start + count, None].to(y.dtype))
         start += count
     return out

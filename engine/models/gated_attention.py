@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import ops
+from ops import pointwise
 from engine.loading.model_config import ModelConfig
 from engine.models.linear import LinearLoader, linear
 from engine.models.batch import ForwardBatch
@@ -49,5 +50,5 @@ class GatedAttention:
         o = pagedserve.paged_attention(q, k_cache, v_cache, batch.query_start_loc, batch.context_lens,
                                        batch.block_tables, self.scale).reshape(t, self.q_size)
         if self.gate_size:
-            o = o * torch.sigmoid(gate)
+            o = o * pointwise.sigmoid(gate)
         return linear(o, self.o_w)

@@ -7,9 +7,9 @@ split layout (all q, all k, all v, all z, then b, a), so one forward serves both
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 import ops
+from ops import pointwise
 from engine.kv.pool import StateShape
 from engine.loading.model_config import ModelConfig
 from engine.models.linear import LinearLoader, linear
@@ -69,10 +69,10 @@ class GatedDeltaNet:
         q = q.reshape(t, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         k = k.reshape(t, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         v = v.reshape(t, self.v_heads, cfg.linear_value_head_dim)
-        decay = self.neg_a * F.softplus(a.float() + self.dt_bias)
-        o = pagedserve.gated_delta_rule(q, k, v, decay, torch.sigmoid(b), ssm_state, batch.query_start_loc,
+        decay = self.neg_a * pointwise.softplus(a.float() + self.dt_bias)
+        o = pagedserve.gated_delta_rule(q, k, v, decay, pointwise.sigmoid(b), ssm_state, batch.query_start_loc,
                                         state_slots, True, ssm_ck, batch.checkpoint_start)
         # gated RMSNorm: scale the normalised output by silu(z), in fp32, per value head
         o = pagedserve.rms_norm(o, self.norm_w, cfg.rms_norm_eps)
-        o = (o * F.silu(z.reshape(t, self.v_heads, -1).float())).to(x.dtype)
+        o = (o * pointwise.silu(z.reshape(t, self.v_heads, -1).float())).to(x.dtype)
         return linear(o.reshape(t, self.value_dim), self.out_w)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ops
+from ops import pointwise
 from engine.loading.model_config import ModelConfig
 from engine.models.linear import LinearLoader, linear
 
@@ -60,5 +61,5 @@ class MLP:
         if self.shared is not None:
             gate_up, down, gate = self.shared
             shared = linear(pagedserve.silu_and_mul(linear(x, gate_up)), down)
-            out = out + torch.sigmoid(F.linear(x, gate)) * shared
+            out = out + pointwise.sigmoid(F.linear(x, gate)) * shared
         return out
