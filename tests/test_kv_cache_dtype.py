@@ -31,7 +31,8 @@ QUANT_BF16_TOL = dict(atol=4e-2, rtol=2e-2)
 # q4_0: / 16383). Outputs are within ~1e-4 of the float64 attention of those queries (measured up to 4e-4
 # on outputs of size ~1; 8-bit weights measured up to 4e-2, past this tolerance).
 _FLAGS = open("/proc/cpuinfo").read().split()
-INT8_DOTS = "avx512_vnni" in _FLAGS and "avx512bw" in _FLAGS
+AVX512 = "avx512f" in _FLAGS and "avx512bw" in _FLAGS
+INT8_DOTS = AVX512 and "avx512_vnni" in _FLAGS
 INT8_TOL = dict(atol=1e-3, rtol=1e-4)
 
 
@@ -45,9 +46,14 @@ def decode_tol(q_dtype, kv_dtype, int8: bool) -> dict:
 
 
 def int8_served(kv_dtype, lanes: int = 0, head_dim: int = 64) -> bool:
-    """Whether the decode kernel serves a call with integer dot products (quantized caches, the widest set,
-    head_dim up to 256)."""
-    return INT8_DOTS and isinstance(kv_dtype, str) and lanes == 0 and head_dim <= 256
+    """Whether the decode kernel serves a call with integer dot products against int8-rounded queries:
+    quantized caches on the widest set with AVX-512 VNNI (head_dim up to 256), and q8_0 on the AVX2 set
+    (lanes 8, or any lanes but the scalar 1 where there is no AVX-512)."""
+    if not isinstance(kv_dtype, str):
+        return False
+    if INT8_DOTS and lanes == 0 and head_dim <= 256:
+        return True
+    return kv_dtype == "q8_0" and (lanes == 8 or (lanes != 1 and not AVX512))
 
 
 def op_reference(q, k_cache, v_cache, qsl, ctx, tables, scale, int8: bool):

@@ -1,8 +1,9 @@
 // Decode rows of pagedserve::paged_attention (one new token per row) against the paged K/V cache, for K/V
 // stored as fp32, bf16 or fp16 (each K/V vector widened to fp32 in registers as it is read; attention_tile.h),
 // or as q8_0 / q4_0 rows kept in tiles of 16 slots of one kv head (kv_quant.h): on CPUs with AVX-512 VNNI read
-// with integer dot products a chunk of 4 tiles at a time (attention_int8.h, run_int8), elsewhere dequantized
-// to fp32 in registers tile by tile (attention_quant.h, run_quant). The softmax and accumulators stay in fp32.
+// with integer dot products a chunk of 4 tiles at a time (attention_int8.h, run_int8), elsewhere tile by tile
+// (run_quant): q8_0 on the Avx2 set with VPMADDWD (attention_int16.h), the rest dequantized to fp32 in
+// registers (attention_quant.h). The softmax and accumulators stay in fp32.
 // Quantized K is stored rotated (a 32-point Hadamard transform per block), so the queries are rotated the
 // same way as they are staged; V is not rotated, so outputs need nothing. bf16 queries against a bf16 cache
 // use AMX tile products where the CPU has them (attention_amx.h, run_amx; blocks of a multiple of 16 slots),
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "attention_amx.h"
+#include "attention_int16.h"
 #include "attention_int8.h"
 #include "attention_quant.h"
 #include "attention_rows.h"
@@ -93,6 +95,24 @@ struct Int8Scratch {};
 template <class S>
 constexpr bool kInt8 = std::is_same_v<S, Int8Dot>;
 
+// The Avx2 set reads q8_0 caches with attention_int16.h's integer products.
+#ifdef PAGEDSERVE_AVX2
+namespace attention_int16 = pagedserve_cpu::attention_int16;
+template <class S, class C>
+constexpr bool kInt16 = std::is_same_v<S, Avx2> && std::is_same_v<C, kv_quant::Q8_0>;
+using Int16Queries = attention_int16::Queries;
+using Int16Scratch = attention_int16::Scratch;
+template <class S, class C>
+constexpr int64_t kGroupPass = kInt16<S, C> ? attention_int16::kMaxGroup : kMaxGroup;   // heads per pass
+#else
+template <class S, class C>
+constexpr bool kInt16 = false;
+template <class S, class C>
+constexpr int64_t kGroupPass = kMaxGroup;
+struct Int16Queries {};
+struct Int16Scratch {};
+#endif
+
 // The set of attention_amx.h: tile products for bf16 queries against a bf16 cache.
 #ifdef PAGEDSERVE_AMX
 struct AmxBf16 : Avx512 {};
@@ -105,11 +125,12 @@ template <class S>
 constexpr bool kAmx = std::is_same_v<S, AmxBf16>;
 
 // A row's queries as a set reads them: in the keys' lane order (fp32, or bf16 for the dot-product set), as
-// int8 blocks (Int8Dot), or as B tiles (AmxBf16).
+// int8 blocks (Int8Dot; int16 for the Avx2 set's q8_0 kernel), or as B tiles (AmxBf16).
 template <class S>
 struct Staged {
   std::vector<Query<S>> values;
   Int8Queries int8;
+  Int16Queries int16;
   std::vector<uint32_t> tiles;
 };
 
@@ -119,6 +140,7 @@ struct ThreadScratch {
   Scratch<S> vec{};
   attention_quant::Scratch<S> quant;
   Int8Scratch int8;
+  Int16Scratch int16;
   AmxScratch amx;
 };
 
@@ -208,6 +230,9 @@ struct Decode {
 #ifdef PAGEDSERVE_INT8_DOT
     if constexpr (kInt8<S>) attention_int8::quantize_queries<C>(qs.data(), q_heads, dim, scale, staged.int8);
 #endif
+#ifdef PAGEDSERVE_AVX2
+    if constexpr (kInt16<S, C>) attention_int16::quantize_queries(qs.data(), q_heads, dim, scale, staged.int16);
+#endif
   }
 
   const int32_t* table_of(int64_t row) const { return table + static_cast<int64_t>(table_rows[row]) * width; }
@@ -262,10 +287,10 @@ struct Decode {
     return block * cache.block_stride + (kv * tiles + tile) * kv_quant::tile_bytes<C>(cache.dim);
   }
 
-  // run() for a quantized cache on the fp32 sets: tile by tile, each tile's K and V in a later block
-  // prefetched whole as it starts.
-  void run_quant(int64_t row, int64_t first, int64_t last, const float* qs, Partial& st,
-                 attention_quant::Scratch<S>& scratch) const {
+  // run() for a quantized cache on the fp32 sets (and the Avx2 set's integer kernel for q8_0): tile by tile,
+  // each tile's K and V in a later block prefetched whole as it starts.
+  void run_quant(int64_t row, int64_t first, int64_t last, const Staged<S>& staged, Partial& st,
+                 ThreadScratch<S>& scratch) const {
     const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads, ctx = lens[row];
     const int32_t* blocks = table_of(row);
     const int64_t tile_bytes = kv_quant::tile_bytes<C>(dim);
@@ -278,12 +303,20 @@ struct Decode {
             for (int64_t at = 0; at < tile_bytes; at += 64)
               for (const Elem<C>* c : {k_cache, v_cache}) S::prefetch(c + tile_at(next, t0, kv) + at);
           const int64_t tile = tile_at(block, t0, kv);
-          for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+          const int n = std::min(kv_quant::kTile, len - t0);
+          for (int64_t g0 = 0; g0 < group; g0 += kGroupPass<S, C>) {
             const int64_t h = kv * group + g0;
-            attention_quant::attend_group<S, C>(static_cast<int>(std::min<int64_t>(kMaxGroup, group - g0)),
-                                                qs + h * dim, st.acc.data() + h * dim, st.max.data() + h,
-                                                st.sum.data() + h, k_cache + tile, v_cache + tile,
-                                                std::min(kv_quant::kTile, len - t0), dim, scale, scratch);
+            const int part = static_cast<int>(std::min<int64_t>(kGroupPass<S, C>, group - g0));
+#ifdef PAGEDSERVE_AVX2
+            if constexpr (kInt16<S, C>)
+              attention_int16::attend_group(part, staged.int16, h, st.acc.data() + h * dim, st.max.data() + h,
+                                            st.sum.data() + h, k_cache + tile, v_cache + tile, n, dim,
+                                            scratch.int16);
+            else
+#endif
+              attention_quant::attend_group<S, C>(part, staged.values.data() + h * dim, st.acc.data() + h * dim,
+                                                  st.max.data() + h, st.sum.data() + h, k_cache + tile,
+                                                  v_cache + tile, n, dim, scale, scratch.quant);
           }
         }
     }
@@ -427,7 +460,7 @@ struct Decode {
       return run_int8(row, first, last, staged.int8, *st[0], s.int8);
 #endif
     if constexpr (kQuant<C>)
-      run_quant(row, first, last, staged.values.data(), *st[0], s.quant);
+      run_quant(row, first, last, staged, *st[0], s);
     else
       run(row, first, last, staged.values.data(), *st[0], s.vec);
   }
