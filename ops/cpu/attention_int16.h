@@ -27,7 +27,10 @@
 
 namespace pagedserve_cpu::attention_int16 {
 
+using kv_quant::Chunk;
 using kv_quant::kBlock;
+using kv_quant::kChunk;
+using kv_quant::kChunkTiles;
 using kv_quant::kTile;
 using kv_quant::Q8_0;
 
@@ -56,11 +59,13 @@ inline void quantize_queries(const float* x, int64_t heads, int64_t dim, float s
   }
 }
 
-// Per thread: a tile's weights per head and block, as int16 for 16 slots, and each block's step.
+// Per thread: a chunk's scores and weights per head (the weights per value block too, as int16), and each
+// block's step.
 struct Scratch {
-  attention::Scratch<simd::Avx2> tile;     // the softmax's weights and corrections
-  std::vector<int16_t> weights;            // [G][dim / 32][kTile]
+  alignas(32) float scores[kMaxGroup][kChunk];
+  std::vector<int16_t> weights;            // [G][dim / 32][kChunk]
   std::vector<float> step;                 // [dim / 32]
+  float corr[kMaxGroup];                   // what the running accumulators are multiplied by
 };
 
 // acc + VPMADDWD(a, b) in place: through the intrinsics GCC summed a block's 8 products as a tree, every
@@ -87,114 +92,156 @@ PAGEDSERVE_INLINE __m256i broadcast4(const int16_t* p) {
   return _mm256_set1_epi64x(four);
 }
 
-// The scaled scores of slots 8 * half .. 8 * half + 7 of a tile for G heads from h, in slot order.
+PAGEDSERVE_INLINE void prefetch(const uint8_t* ahead, int64_t offset) {
+  if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + offset), _MM_HINT_T1);
+}
+
+// The 16 fp16 scales of a tile's block b from slot `first` (8 of them) as fp32.
+PAGEDSERVE_INLINE __m256 scales(const uint8_t* tile, int64_t b, int first) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kv_quant::scale_of(b, first))));
+}
+
+// Lanes j < n of 8 as all ones bits (a mask: NaN * 0 would be NaN).
+PAGEDSERVE_INLINE __m256 first_lanes(int n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+}
+
+// The scaled scores of slots 8 * half .. 8 * half + 7 of tile t for G heads from h into s.scores (slot order;
+// slots from c.n on -inf), the tile two chunks on prefetched a K row per row read.
 template <int G>
-PAGEDSERVE_INLINE void score_half(const Queries& q, int64_t h, const uint8_t* tile, int half, int64_t dim,
-                                  __m256 (&sc)[G]) {
+PAGEDSERVE_INLINE void score_half(const Queries& q, int64_t h, const Chunk& c, int t, int half, int64_t dim,
+                                  Scratch& s) {
   const int64_t blocks = dim / kBlock;
+  const uint8_t* tile = c.k[t];
+  __m256 sc[G];
   for (int g = 0; g < G; ++g) sc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i lo[G], hi[G];      // slots 0-3 and 4-7 of the half, two partial sums each
     for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_si256();
     for (int r = 0; r < 8; ++r) {
-      const uint8_t* row = tile + kv_quant::k_row<Q8_0>(dim, b, r) + half * 32;
-      const __m256i k0 = widen(row), k1 = widen(row + 16);
+      const int64_t at = kv_quant::k_row<Q8_0>(dim, b, r);
+      if (half == 0) prefetch(c.k_ahead[t], at);
+      const __m256i k0 = widen(tile + at + half * 32), k1 = widen(tile + at + half * 32 + 16);
       for (int g = 0; g < G; ++g) {
         const __m256i w = broadcast4(q.values.data() + (h + g) * dim + b * kBlock + 4 * r);
         lo[g] = madd_add(lo[g], k0, w);
         hi[g] = madd_add(hi[g], k1, w);
       }
     }
-    const __m256 dk = _mm256_permutevar8x32_ps(
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kv_quant::scale_of(b, half * 8)))),
-        hadd_order());
+    const __m256 dk = _mm256_permutevar8x32_ps(scales(tile, b, half * 8), hadd_order());
     for (int g = 0; g < G; ++g)
       sc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(lo[g], hi[g])),
                               _mm256_mul_ps(dk, _mm256_set1_ps(q.scale[(h + g) * blocks + b])), sc[g]);
   }
-  for (int g = 0; g < G; ++g) sc[g] = _mm256_permutevar8x32_ps(sc[g], hadd_order());
+  const __m256 real = first_lanes(c.n - t * kTile - half * 8);
+  for (int g = 0; g < G; ++g)
+    _mm256_store_ps(s.scores[g] + t * kTile + half * 8,
+                    _mm256_blendv_ps(_mm256_set1_ps(attention::kNegInf),
+                                     _mm256_permutevar8x32_ps(sc[g], hadd_order()), real));
 }
 
-// The softmax weights s.tile.p of G heads times the value blocks' scales, as int16 in steps of each block's
-// largest scale (s.step[b]); slots from len on weigh nothing, whatever their scales hold.
+// The online-softmax update of G heads over a chunk's scores (`vectors` of 8 slots; slots from c.n on -inf):
+// the running max and sum, s.corr, and per head and value block the weights exp(score - max) times the
+// block's scales, as int16 in steps of the chunk's largest scale of that block (s.step).
 template <int G>
-PAGEDSERVE_INLINE void weigh_tile(const uint8_t* v_tile, int len, int64_t blocks, Scratch& s) {
-  alignas(32) int32_t keep[kTile];      // all bits set for the slots that count (a mask: NaN * 0 is NaN)
-  for (int j = 0; j < kTile; ++j) keep[j] = j < len ? -1 : 0;
-  const __m256 keep0 = _mm256_load_ps(reinterpret_cast<const float*>(keep));
-  const __m256 keep1 = _mm256_load_ps(reinterpret_cast<const float*>(keep + 8));
+PAGEDSERVE_INLINE void weigh_chunk(const Chunk& c, int vectors, int64_t blocks, float* run_max, float* run_sum,
+                                   Scratch& s) {
+  for (int g = 0; g < G; ++g) {
+    __m256 top = _mm256_load_ps(s.scores[g]);
+    for (int i = 1; i < vectors; ++i) top = _mm256_max_ps(top, _mm256_load_ps(s.scores[g] + 8 * i));
+    const float m = std::max(run_max[g], simd::Avx2::hmax(top));
+    s.corr[g] = simd::exp_nonpositive<simd::Scalar>(run_max[g] - m);    // 0 on the first chunk (-inf)
+    __m256 total = _mm256_setzero_ps();
+    for (int i = 0; i < vectors; ++i) {
+      const __m256 e = simd::exp_nonpositive<simd::Avx2>(_mm256_sub_ps(_mm256_load_ps(s.scores[g] + 8 * i),
+                                                                      _mm256_set1_ps(m)));
+      _mm256_store_ps(s.scores[g] + 8 * i, e);
+      total = _mm256_add_ps(total, e);
+    }
+    run_sum[g] = run_sum[g] * s.corr[g] + simd::Avx2::sum(total);
+    run_max[g] = m;
+  }
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* at = v_tile + kv_quant::scale_of(b, 0);
-    const __m256 d0 = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))), keep0);
-    const __m256 d1 =
-        _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16))), keep1);
-    const float largest = simd::Avx2::hmax(_mm256_max_ps(d0, d1));     // q8_0 scales are never negative
+    __m256 d[2 * kChunkTiles];
+    __m256 top = _mm256_setzero_ps();
+    for (int i = 0; i < vectors; ++i) {        // q8_0 scales are never negative; slots past n weigh nothing
+      d[i] = _mm256_and_ps(scales(c.v[i / 2], b, i % 2 * 8), first_lanes(c.n - 8 * i));
+      top = _mm256_max_ps(top, d[i]);
+    }
+    const float largest = simd::Avx2::hmax(top);
     s.step[b] = largest / kWeightSteps;
     const __m256 inv = _mm256_set1_ps(largest > 0.f ? kWeightSteps / largest : 0.f);
-    const __m256 s0 = _mm256_mul_ps(d0, inv), s1 = _mm256_mul_ps(d1, inv);
-    for (int g = 0; g < G; ++g) {
-      const float* p = s.tile.p + g * kTile;
-      const __m256i w0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(p), s0));
-      const __m256i w1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(p + 8), s1));
-      // packs interleaves the 128-bit halves; the permute puts slots back in order
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.weights.data() + (g * blocks + b) * kTile),
-                         _mm256_permute4x64_epi64(_mm256_packs_epi32(w0, w1), 0xD8));
-    }
+    for (int i = 0; i < vectors; ++i) d[i] = _mm256_mul_ps(d[i], inv);
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < vectors; i += 2) {   // packs interleaves the 128-bit halves; the permute restores them
+        const __m256i w0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(s.scores[g] + 8 * i), d[i]));
+        const __m256i w1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(s.scores[g] + 8 * i + 8), d[i + 1]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.weights.data() + (g * blocks + b) * kChunk + 8 * i),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(w0, w1), 0xD8));
+      }
   }
 }
 
-// acc[g][values of V row `row`] = acc * corr[g] + step * the sum over the tile's slots of weight * value, for
-// the G heads: per 16 bytes (4 values of 4 slots) one VPMADDWD per head with the 4 slots' weights.
+// acc[g][values of V row `row`] = acc * corr[g] + step * the sum over the chunk's slots of weight * value, for
+// the G heads: per 16 bytes (4 values of 4 slots) one VPMADDWD per head with the 4 slots' weights; the tiles
+// two chunks on prefetched a V row per row read.
 template <int G>
-PAGEDSERVE_INLINE void add_row(const uint8_t* v_tile, int64_t row, int64_t dim, const Scratch& s, float* acc) {
+PAGEDSERVE_INLINE void add_row(const Chunk& c, int tiles, int64_t row, int64_t dim, const Scratch& s, float* acc) {
   const int64_t b = row / 2, blocks = dim / kBlock;
-  const float step = s.step[b];
   for (int part = 0; part < 2; ++part) {        // values 8 * part .. 8 * part + 7 of the row's 16
     __m256i lo[G], hi[G];
     for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_si256();
-    for (int quad = 0; quad < kTile / 4; ++quad) {
-      const uint8_t* p = v_tile + kv_quant::v_row(dim, row, quad) + part * 32;
-      const __m256i x0 = widen(p), x1 = widen(p + 16);
-      for (int g = 0; g < G; ++g) {
-        const __m256i w = broadcast4(s.weights.data() + (g * blocks + b) * kTile + 4 * quad);
-        lo[g] = madd_add(lo[g], x0, w);
-        hi[g] = madd_add(hi[g], x1, w);
+    for (int t = 0; t < tiles; ++t)
+      for (int quad = 0; quad < kTile / 4; ++quad) {
+        const int64_t at = kv_quant::v_row(dim, row, quad);
+        if (part == 0) prefetch(c.v_ahead[t], at);
+        const __m256i x0 = widen(c.v[t] + at + part * 32), x1 = widen(c.v[t] + at + part * 32 + 16);
+        for (int g = 0; g < G; ++g) {
+          const __m256i w = broadcast4(s.weights.data() + (g * blocks + b) * kChunk + t * kTile + 4 * quad);
+          lo[g] = madd_add(lo[g], x0, w);
+          hi[g] = madd_add(hi[g], x1, w);
+        }
       }
-    }
     for (int g = 0; g < G; ++g) {
       float* out = acc + g * dim + row * 16 + part * 8;
       const __m256 sum = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lo[g], hi[g]), hadd_order()));
-      _mm256_storeu_ps(out, _mm256_fmadd_ps(sum, _mm256_set1_ps(step),
-                                            _mm256_mul_ps(_mm256_loadu_ps(out), _mm256_set1_ps(s.tile.corr[g]))));
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(sum, _mm256_set1_ps(s.step[b]),
+                                            _mm256_mul_ps(_mm256_loadu_ps(out), _mm256_set1_ps(s.corr[g]))));
     }
   }
 }
 
-// `len` (<= kTile) slots of one tile of one kv head against G of its query heads (those from h of q), with the
-// online-softmax update of their running max / sum / accumulators (acc: [G, dim] in order, head h's first).
+// A chunk of one kv head against G of its query heads (those from h of q), with the online-softmax update of
+// their running max / sum / accumulators (acc: [G, dim] in order, head h's first).
 template <int G>
-void attend_tile(const Queries& q, int64_t h, float* acc, float* run_max, float* run_sum, const uint8_t* k_tile,
-                 const uint8_t* v_tile, int len, int64_t dim, Scratch& s) {
-  __m256 sc[G][2];
-  for (int half = 0; half < 2; ++half) {
-    __m256 part[G];
-    score_half<G>(q, h, k_tile, half, dim, part);
-    for (int g = 0; g < G; ++g) sc[g][half] = part[g];
-  }
-  attention::softmax_tile<simd::Avx2, G, 2>(sc, len, run_max, run_sum, s.tile);
+void attend_chunk(const Queries& q, int64_t h, float* acc, float* run_max, float* run_sum, const Chunk& c,
+                  int64_t dim, Scratch& s) {
+  const int tiles = (c.n + kTile - 1) / kTile, vectors = (c.n + 7) / 8;
   const int64_t blocks = dim / kBlock;
-  s.weights.resize(G * blocks * kTile);
+  for (int t = 0; t < tiles; ++t) {
+    for (int at = 0; at < kv_quant::values_of(dim); at += kv_quant::kRow) {   // the scales' lines
+      prefetch(c.k_ahead[t], at);
+      prefetch(c.v_ahead[t], at);
+    }
+    for (int half = 0; half < 2 && 16 * t + 8 * half < c.n; ++half) score_half<G>(q, h, c, t, half, dim, s);
+  }
+  s.weights.resize(G * blocks * kChunk);
   s.step.resize(blocks);
-  weigh_tile<G>(v_tile, len, blocks, s);
-  for (int64_t row = 0; row < dim / 16; ++row) add_row<G>(v_tile, row, dim, s, acc);
+  weigh_chunk<G>(c, vectors, blocks, run_max, run_sum, s);
+  if (vectors % 2)            // a chunk ending mid-tile: the last half tile's weights are 0
+    for (int g = 0; g < G; ++g)
+      for (int64_t b = 0; b < blocks; ++b)
+        std::fill_n(s.weights.data() + (g * blocks + b) * kChunk + 8 * vectors, 8, int16_t{0});
+  for (int64_t row = 0; row < dim / 16; ++row) add_row<G>(c, tiles, row, dim, s, acc);
 }
 
-// attend_tile for 1 to kMaxGroup query heads of (a part of) a GQA group.
+// attend_chunk for 1 to kMaxGroup query heads of (a part of) a GQA group.
 inline void attend_group(int group, const Queries& q, int64_t h, float* acc, float* run_max, float* run_sum,
-                         const uint8_t* k_tile, const uint8_t* v_tile, int len, int64_t dim, Scratch& s) {
+                         const Chunk& c, int64_t dim, Scratch& s) {
   switch (group) {
 #define PAGEDSERVE_GROUP(G) \
-  case G: return attend_tile<G>(q, h, acc, run_max, run_sum, k_tile, v_tile, len, dim, s);
+  case G: return attend_chunk<G>(q, h, acc, run_max, run_sum, c, dim, s);
     PAGEDSERVE_GROUP(1) PAGEDSERVE_GROUP(2) PAGEDSERVE_GROUP(3) PAGEDSERVE_GROUP(4)
     PAGEDSERVE_GROUP(5) PAGEDSERVE_GROUP(6)
 #undef PAGEDSERVE_GROUP

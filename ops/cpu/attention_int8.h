@@ -34,11 +34,12 @@
 namespace pagedserve_cpu::attention_int8 {
 
 using namespace pagedserve_cpu::simd;
+using kv_quant::Chunk;
 using kv_quant::kBlock;
+using kv_quant::kChunk;
+using kv_quant::kChunkTiles;
 using kv_quant::kTile;
 
-constexpr int kChunkTiles = 4;
-constexpr int kChunk = kChunkTiles * kTile;   // slots per softmax update
 constexpr int kMaxGroup = 8;                  // query heads per pass over a chunk; larger GQA groups take several
 constexpr int64_t kMaxBlocks = 8;             // 32-value blocks per head (head_dim <= 256; larger ones: fp32 kernel)
 constexpr float kMasked = -1e30f;             // a score past the chunk's end: finite, so 2^(it - max) is 0
@@ -112,16 +113,6 @@ void quantize_queries(const float* x, int64_t heads, int64_t dim, float softmax_
     out.offset[hb] = -kOffset<C> * _mm512_reduce_add_epi32(_mm512_add_epi32(ya, yb));
   }
 }
-
-// The tiles of one chunk of one kv head: `n` slots (up to kChunk; the last tile may be partial) and, where
-// they exist, the tiles two chunks on (prefetched while these are read; null past the row's end).
-struct Chunk {
-  const uint8_t* k[kChunkTiles];
-  const uint8_t* v[kChunkTiles];
-  const uint8_t* k_ahead[kChunkTiles];
-  const uint8_t* v_ahead[kChunkTiles];
-  int n;
-};
 
 // Per thread: a chunk's scores, and the integer weights of its values, per head, block and plane (high,
 // low): 64 bytes whose 32-bit word 4q + t holds the weights of slots 4q .. 4q + 3 of the chunk's tile t.

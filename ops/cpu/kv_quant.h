@@ -57,6 +57,19 @@ constexpr int64_t k_row(int64_t dim, int64_t b, int64_t r) {
 }
 constexpr int64_t v_row(int64_t dim, int64_t r, int quad) { return values_of(dim) + (r * (kTile / 4) + quad) * kRow; }
 
+// A chunk of decode positions the integer kernels (attention_int8.h, attention_int16.h) read with one softmax
+// update: up to kChunkTiles tiles of one kv head, `n` slots in all (the last tile may be partial), and where
+// they exist the tiles two chunks on, prefetched while these are read (null past the row's end).
+constexpr int kChunkTiles = 4;
+constexpr int kChunk = kChunkTiles * kTile;
+struct Chunk {
+  const uint8_t* k[kChunkTiles];
+  const uint8_t* v[kChunkTiles];
+  const uint8_t* k_ahead[kChunkTiles];
+  const uint8_t* v_ahead[kChunkTiles];
+  int n;
+};
+
 // Block b of a row (bytes[kBlockBytes], as quantize_block writes it) into slot j of its tile, in the K order
 // (`k`) or the V order.
 template <class F>

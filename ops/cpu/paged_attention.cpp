@@ -2,8 +2,8 @@
 // stored as fp32, bf16 or fp16 (each K/V vector widened to fp32 in registers as it is read; attention_tile.h),
 // or as q8_0 / q4_0 rows kept in tiles of 16 slots of one kv head (kv_quant.h): on CPUs with AVX-512 VNNI read
 // with integer dot products a chunk of 4 tiles at a time (attention_int8.h, run_int8), elsewhere tile by tile
-// (run_quant): q8_0 on the Avx2 set with VPMADDWD (attention_int16.h), the rest dequantized to fp32 in
-// registers (attention_quant.h). The softmax and accumulators stay in fp32.
+// (run_quant): q8_0 on the Avx2 set with VPMADDWD a chunk at a time (attention_int16.h, run_chunks), the rest
+// dequantized to fp32 in registers (attention_quant.h). The softmax and accumulators stay in fp32.
 // Quantized K is stored rotated (a 32-point Hadamard transform per block), so the queries are rotated the
 // same way as they are staged; V is not rotated, so outputs need nothing. bf16 queries against a bf16 cache
 // use AMX tile products where the CPU has them (attention_amx.h, run_amx; blocks of a multiple of 16 slots),
@@ -60,10 +60,7 @@ constexpr int64_t kAheadBytes = 32 << 10;
 // Positions a token of a group attends before the next token takes them (Decode::operator()): a whole number
 // of every set's chunks, and few enough that a group's K/V stay in the core's L2 between its tokens.
 constexpr int64_t kStep = 128;
-static_assert(kStep % kTile == 0 && kStep % kv_quant::kTile == 0);
-#ifdef PAGEDSERVE_INT8_DOT
-static_assert(kStep % pagedserve_cpu::attention_int8::kChunk == 0);
-#endif
+static_assert(kStep % kTile == 0 && kStep % kv_quant::kTile == 0 && kStep % kv_quant::kChunk == 0);
 #ifdef PAGEDSERVE_AMX
 static_assert(kStep % pagedserve_cpu::attention_amx::kChunk == 0);
 #endif
@@ -287,10 +284,10 @@ struct Decode {
     return block * cache.block_stride + (kv * tiles + tile) * kv_quant::tile_bytes<C>(cache.dim);
   }
 
-  // run() for a quantized cache on the fp32 sets (and the Avx2 set's integer kernel for q8_0): tile by tile,
-  // each tile's K and V in a later block prefetched whole as it starts.
-  void run_quant(int64_t row, int64_t first, int64_t last, const Staged<S>& staged, Partial& st,
-                 ThreadScratch<S>& scratch) const {
+  // run() for a quantized cache on the fp32 sets: tile by tile, each tile's K and V in a later block
+  // prefetched whole as it starts.
+  void run_quant(int64_t row, int64_t first, int64_t last, const float* qs, Partial& st,
+                 attention_quant::Scratch<S>& scratch) const {
     const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads, ctx = lens[row];
     const int32_t* blocks = table_of(row);
     const int64_t tile_bytes = kv_quant::tile_bytes<C>(dim);
@@ -303,31 +300,24 @@ struct Decode {
             for (int64_t at = 0; at < tile_bytes; at += 64)
               for (const Elem<C>* c : {k_cache, v_cache}) S::prefetch(c + tile_at(next, t0, kv) + at);
           const int64_t tile = tile_at(block, t0, kv);
-          const int n = std::min(kv_quant::kTile, len - t0);
-          for (int64_t g0 = 0; g0 < group; g0 += kGroupPass<S, C>) {
+          for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
             const int64_t h = kv * group + g0;
-            const int part = static_cast<int>(std::min<int64_t>(kGroupPass<S, C>, group - g0));
-#ifdef PAGEDSERVE_AVX2
-            if constexpr (kInt16<S, C>)
-              attention_int16::attend_group(part, staged.int16, h, st.acc.data() + h * dim, st.max.data() + h,
-                                            st.sum.data() + h, k_cache + tile, v_cache + tile, n, dim,
-                                            scratch.int16);
-            else
-#endif
-              attention_quant::attend_group<S, C>(part, staged.values.data() + h * dim, st.acc.data() + h * dim,
-                                                  st.max.data() + h, st.sum.data() + h, k_cache + tile,
-                                                  v_cache + tile, n, dim, scale, scratch.quant);
+            attention_quant::attend_group<S, C>(static_cast<int>(std::min<int64_t>(kMaxGroup, group - g0)),
+                                                qs + h * dim, st.acc.data() + h * dim, st.max.data() + h,
+                                                st.sum.data() + h, k_cache + tile, v_cache + tile,
+                                                std::min(kv_quant::kTile, len - t0), dim, scale, scratch);
           }
         }
     }
   }
 
-#ifdef PAGEDSERVE_INT8_DOT
-  // run() for the integer-dot set: positions in chunks of 4 tiles, each kv head's chunk in turn, the tiles
-  // two chunks on prefetched as these are read.
-  void run_int8(int64_t row, int64_t first, int64_t last, const Int8Queries& qi, Partial& st,
-                Int8Scratch& s) const {
-    using attention_int8::kChunk;
+#ifdef PAGEDSERVE_AVX2
+  // run() for the integer kernels (Int8Dot; the Avx2 set's q8_0): positions in chunks of 4 tiles, each kv
+  // head's chunk in turn, the tiles two chunks on prefetched as these are read.
+  void run_chunks(int64_t row, int64_t first, int64_t last, const Staged<S>& staged, Partial& st,
+                  ThreadScratch<S>& s) const {
+    using kv_quant::kChunk;
+    using kv_quant::kChunkTiles;
     const FlushDenormals flush;
     const int64_t bs = cache.block_size, dim = cache.dim, group = q_heads / kv_heads, ctx = lens[row];
     const int32_t* blocks = table_of(row);
@@ -336,26 +326,33 @@ struct Decode {
     const auto* v = reinterpret_cast<const uint8_t*>(v_cache);
     for (int64_t p0 = lo; p0 < hi; p0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, hi - p0));
-      int64_t here[attention_int8::kChunkTiles], ahead[attention_int8::kChunkTiles];
-      for (int t = 0; t < attention_int8::kChunkTiles; ++t) {
+      int64_t here[kChunkTiles], ahead[kChunkTiles];
+      for (int t = 0; t < kChunkTiles; ++t) {
         const int64_t pos = p0 + t * kv_quant::kTile;
         here[t] = pos < p0 + n ? block_at(blocks, pos) : -1;
         ahead[t] = block_ahead(blocks, pos + 2 * kChunk, ctx);
       }
       for (int64_t kv = 0; kv < kv_heads; ++kv) {
-        attention_int8::Chunk c{};
+        kv_quant::Chunk c{};
         c.n = n;
-        for (int t = 0; t < attention_int8::kChunkTiles; ++t) {
+        for (int t = 0; t < kChunkTiles; ++t) {
           const int64_t pos = p0 + t * kv_quant::kTile;
           if (here[t] >= 0) c.k[t] = k + tile_at(here[t], pos, kv), c.v[t] = v + tile_at(here[t], pos, kv);
           if (ahead[t] >= 0)
             c.k_ahead[t] = k + tile_at(ahead[t], pos, kv), c.v_ahead[t] = v + tile_at(ahead[t], pos, kv);
         }
-        for (int64_t g0 = 0; g0 < group; g0 += attention_int8::kMaxGroup) {
+        for (int64_t g0 = 0; g0 < group; g0 += kGroupPass<S, C>) {
           const int64_t h = kv * group + g0;
-          attention_int8::attend_group<C>(static_cast<int>(std::min<int64_t>(attention_int8::kMaxGroup, group - g0)),
-                                          qi, h, st.acc.data() + h * dim, st.max.data() + h, st.sum.data() + h, c,
-                                          dim, s);
+          const int part = static_cast<int>(std::min<int64_t>(kGroupPass<S, C>, group - g0));
+          float* acc = st.acc.data() + h * dim;
+#ifdef PAGEDSERVE_INT8_DOT
+          if constexpr (kInt8<S>)
+            attention_int8::attend_group<C>(part, staged.int8, h, acc, st.max.data() + h, st.sum.data() + h, c,
+                                            dim, s.int8);
+          else
+#endif
+            attention_int16::attend_group(part, staged.int16, h, acc, st.max.data() + h, st.sum.data() + h, c,
+                                          dim, s.int16);
         }
       }
     }
@@ -457,10 +454,14 @@ struct Decode {
 #endif
 #ifdef PAGEDSERVE_INT8_DOT
     if constexpr (kInt8<S>)
-      return run_int8(row, first, last, staged.int8, *st[0], s.int8);
+      return run_chunks(row, first, last, staged, *st[0], s);
+#endif
+#ifdef PAGEDSERVE_AVX2
+    if constexpr (kInt16<S, C>)
+      return run_chunks(row, first, last, staged, *st[0], s);
 #endif
     if constexpr (kQuant<C>)
-      run_quant(row, first, last, staged, *st[0], s);
+      run_quant(row, first, last, staged.values.data(), *st[0], s.quant);
     else
       run(row, first, last, staged.values.data(), *st[0], s.vec);
   }
