@@ -1,16 +1,16 @@
-// The decode attention for q8_0 caches on AVX2 CPUs without AVX-512 VNNI (paged_attention.cpp's run_quant
+// The decode attention for q8_0 caches on AVX2 CPUs without AVX-512 VNNI (paged_attention.cpp's run_chunks
 // calls it for the Avx2 set; attention_int8.h serves VNNI CPUs, attention_quant.h the other sets and q4_0).
-// It reads the same tiles (kv_quant.h) tile by tile, with VPMADDWD: the int8 bytes widened to int16 and
-// multiplied in pairs into int32 lanes, where the fp32 kernel converted every byte to a float and spent one
-// FMA per byte and head.
+// It reads the same tiles (kv_quant.h) a chunk of 4 tiles of one kv head at a time, one softmax update per
+// chunk (per tile, the softmax cost as much as the scores), with VPMADDWD: the int8 bytes widened to int16
+// and multiplied in pairs into int32 lanes, where the fp32 kernel converted every byte to a float and spent
+// one FMA per byte and head.
 //  - scores: 16 bytes of a K row are 4 values of 4 slots; against 4 values of the (rotated) query, rounded to
-//    int8 per 32-value block as a q8_0 key is (attention_int8.h's Queries, here as int16), VPMADDWD gives each
-//    slot two partial sums, folded by one VPHADDD per 8 slots at the block's end, then times the block's
-//    scales. Signed by signed: no offsets.
+//    int8 per 32-value block as a q8_0 key is (as attention_int8.h's queries are, here as int16), VPMADDWD
+//    gives each slot two partial sums, folded by one VPHADDD per 8 slots at the block's end, then times the
+//    block's scales. Signed by signed: no offsets.
 //  - values: 16 bytes of a V row are 4 values of 4 slots; against the 4 slots' softmax weights as int16
-//    (relative to the tile's max as the softmax gives them, times the value blocks' scales in steps of the
-//    largest: 15 bits), VPMADDWD gives each value two partial sums, folded the same way.
-// The softmax itself is the fp32 kernels' (attention_tile.h's softmax_tile).
+//    (relative to the chunk's max, times the value blocks' scales in steps of the chunk's largest: 15 bits),
+//    VPMADDWD gives each value two partial sums, folded the same way.
 #pragma once
 
 #include <algorithm>
