@@ -1,9 +1,9 @@
 // Decode rows of pagedserve::paged_attention (one new token per row) against the paged K/V cache, for K/V
 // stored as fp32, bf16 or fp16 (each K/V vector widened to fp32 in registers as it is read; attention_tile.h),
 // or as q8_0 / q4_0 rows kept in tiles of 16 slots of one kv head (kv_quant.h): on CPUs with AVX-512 VNNI read
-// with integer dot products a chunk of 4 tiles at a time (attention_int8.h, run_int8), elsewhere tile by tile
-// (run_quant): q8_0 on the Avx2 set with VPMADDWD a chunk at a time (attention_int16.h, run_chunks), the rest
-// dequantized to fp32 in registers (attention_quant.h). The softmax and accumulators stay in fp32.
+// with integer dot products a chunk of 4 tiles at a time (attention_int8.h), q8_0 on the Avx2 set the same way
+// with VPMADDWD (attention_int16.h; both through run_chunks), elsewhere dequantized to fp32 in registers tile by
+// tile (attention_quant.h, run_quant). The softmax and accumulators stay in fp32.
 // Quantized K is stored rotated (a 32-point Hadamard transform per block), so the queries are rotated the
 // same way as they are staged; V is not rotated, so outputs need nothing. bf16 queries against a bf16 cache
 // use AMX tile products where the CPU has them (attention_amx.h, run_amx; blocks of a multiple of 16 slots),
