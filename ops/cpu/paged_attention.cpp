@@ -101,6 +101,9 @@ using Int16Queries = attention_int16::Queries;
 using Int16Scratch = attention_int16::Scratch;
 template <class S, class C>
 constexpr int64_t kGroupPass = kInt16<S, C> ? attention_int16::kMaxGroup : kMaxGroup;   // heads per pass
+#ifdef PAGEDSERVE_INT8_DOT
+static_assert(pagedserve_cpu::attention_int8::kMaxGroup == kMaxGroup);   // Int8Dot's pass is the default
+#endif
 #else
 template <class S, class C>
 constexpr bool kInt16 = false;
@@ -452,12 +455,8 @@ struct Decode {
     if constexpr (kAmx<S>)
       return run_amx(row, count, first, last, staged.tiles, st, s.amx);
 #endif
-#ifdef PAGEDSERVE_INT8_DOT
-    if constexpr (kInt8<S>)
-      return run_chunks(row, first, last, staged, *st[0], s);
-#endif
 #ifdef PAGEDSERVE_AVX2
-    if constexpr (kInt16<S, C>)
+    if constexpr (kInt8<S> || kInt16<S, C>)
       return run_chunks(row, first, last, staged, *st[0], s);
 #endif
     if constexpr (kQuant<C>)
