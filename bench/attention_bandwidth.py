@@ -25,6 +25,7 @@ rerun when the probe reads low.
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --contexts 2048 --kv-dtypes q8_0 --hot
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes bfloat16 --kv-dtypes q8_0 --reads
     .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes bfloat16 --kv-dtypes q8_0 --reads-work 4 8 16
+    .venv/bin/python bench/attention_bandwidth.py --rows 1 --q-dtypes float32 --kv-dtypes q4_0 --lanes 8 --baseline HEAD
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--q-heads", type=int, default=Q_HEADS, help="query heads (GQA group = q heads / 2 kv heads)")
     p.add_argument("--rounds", type=int, default=4, help="passes over a case's layers per kernel")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lanes", type=int, default=0,
+                   help="cap the kernels' vector width (8: the AVX2 set's kernels on an AVX-512 CPU)")
     p.add_argument("--baseline", default="", help="a git revision whose paged_attention.cpp runs alternately")
     p.add_argument("--hot", action="store_true",
                    help="one layer, read again by every call: with K/V in cache, what the kernel's arithmetic costs")
@@ -195,10 +198,11 @@ def main(argv: list[str]) -> None:
     import ops.cpu
     if not ops.cpu.kernels_available():
         raise SystemExit("the C++ CPU kernels did not load (see the log line above)")
-    kernels = {"new": ops.cpu._lib.paged_attention_decode}     # both raw: no Python checks in the timing
+    # both raw: no Python checks in the timing
+    kernels = {"new": functools.partial(ops.cpu._lib.paged_attention_decode, lanes=args.lanes)}
     in_rows = set()
     if args.baseline:
-        kernels[f"old ({args.baseline})"] = build_baseline(args.baseline)
+        kernels[f"old ({args.baseline})"] = functools.partial(build_baseline(args.baseline), lanes=args.lanes)
         if reads_rows(args.baseline):
             in_rows.add(f"old ({args.baseline})")
     if args.reads or args.reads_work:

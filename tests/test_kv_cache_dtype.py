@@ -47,13 +47,13 @@ def decode_tol(q_dtype, kv_dtype, int8: bool) -> dict:
 
 def int8_served(kv_dtype, lanes: int = 0, head_dim: int = 64) -> bool:
     """Whether the decode kernel serves a call with integer dot products against int8-rounded queries:
-    quantized caches on the widest set with AVX-512 VNNI (head_dim up to 256), and q8_0 on the AVX2 set
-    (lanes 8, or any lanes but the scalar 1 where there is no AVX-512)."""
+    quantized caches on the widest set with AVX-512 VNNI (head_dim up to 256), and on the AVX2 set (lanes 8,
+    or any lanes but the scalar 1 where there is no AVX-512)."""
     if not isinstance(kv_dtype, str):
         return False
     if INT8_DOTS and lanes == 0 and head_dim <= 256:
         return True
-    return kv_dtype == "q8_0" and (lanes == 8 or (lanes != 1 and not AVX512))
+    return lanes == 8 or (lanes != 1 and not AVX512)
 
 
 def op_reference(q, k_cache, v_cache, qsl, ctx, tables, scale, int8: bool):

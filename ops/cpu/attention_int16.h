@@ -1,16 +1,17 @@
-// The decode attention for q8_0 caches on AVX2 CPUs without AVX-512 VNNI (paged_attention.cpp's run_chunks
-// calls it for the Avx2 set; attention_int8.h serves VNNI CPUs, attention_quant.h the other sets and q4_0).
+// The decode attention for q8_0 / q4_0 caches on AVX2 CPUs without AVX-512 VNNI (paged_attention.cpp's
+// run_chunks calls it for the Avx2 set; attention_int8.h serves VNNI CPUs, attention_quant.h the other sets).
 // It reads the same tiles (kv_quant.h) a chunk of 4 tiles of one kv head at a time, one softmax update per
-// chunk (per tile, the softmax cost as much as the scores), with VPMADDWD: the int8 bytes widened to int16
-// and multiplied in pairs into int32 lanes, where the fp32 kernel converted every byte to a float and spent
-// one FMA per byte and head.
-//  - scores: 16 bytes of a K row are 4 values of 4 slots; against 4 values of the (rotated) query, rounded to
-//    int8 per 32-value block as a q8_0 key is (as attention_int8.h's queries are, here as int16), VPMADDWD
-//    gives each slot two partial sums, folded by one VPHADDD per 8 slots at the block's end, then times the
-//    block's scales. Signed by signed: no offsets.
+// chunk (per tile, the softmax cost as much as the scores), with VPMADDWD: the values widened to int16 (q8_0's
+// bytes, q4_0's nibbles less 8) and multiplied in pairs into int32 lanes, where the fp32 kernel converted
+// every value to a float and spent one FMA per value and head. The widening is shared by a pass's heads.
+//  - scores: 16 bytes of a K row are 4 values of 4 slots (q4_0: 4 nibble pairs, low then high nibbles read
+//    as two rows); against 4 values of the (rotated) query, rounded to int8 per 32-value block as a q8_0 key
+//    is (as attention_int8.h's queries are, here as int16), VPMADDWD gives each slot two partial sums, folded
+//    by one VPHADDD per 8 slots at the block's end, then times the block's scales. Signed by signed: no offsets.
 //  - values: 16 bytes of a V row are 4 values of 4 slots; against the 4 slots' softmax weights as int16
-//    (relative to the chunk's max, times the value blocks' scales in steps of the chunk's largest: 15 bits),
-//    VPMADDWD gives each value two partial sums, folded the same way.
+//    (relative to the chunk's max, times the value blocks' scales in steps of the chunk's largest magnitude:
+//    15 bits and a sign, as q4_0's scales may be negative), VPMADDWD gives each value two partial sums,
+//    folded the same way.
 #pragma once
 
 #include <algorithm>
@@ -33,6 +34,9 @@ using kv_quant::kChunk;
 using kv_quant::kChunkTiles;
 using kv_quant::kTile;
 using kv_quant::Q8_0;
+
+template <class C>
+constexpr bool kQ8 = std::is_same_v<C, Q8_0>;
 
 constexpr int kMaxGroup = 6;                   // heads per pass: 2 accumulators each, with 3 operands, fill 16 registers
 constexpr float kWeightSteps = 32767.f;        // the weights' int16 range (VPMADDWD's operands are signed)
@@ -80,9 +84,14 @@ PAGEDSERVE_INLINE __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
 // permutation is its own inverse, so the same vector restores the order.
 PAGEDSERVE_INLINE __m256i hadd_order() { return _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); }
 
-// 16 int8 at p as int16.
-PAGEDSERVE_INLINE __m256i widen(const uint8_t* p) {
-  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// The 16 values of the 16 bytes at p as int16: q8_0's int8, or q4_0's low (`high` false) or high nibbles less 8.
+template <class C>
+PAGEDSERVE_INLINE __m256i widen(const uint8_t* p, bool high = false) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (kQ8<C>) return _mm256_cvtepi8_epi16(x);
+  const __m256i y = _mm256_cvtepu8_epi16(x);
+  const __m256i nibbles = high ? _mm256_srli_epi16(y, 4) : _mm256_and_si256(y, _mm256_set1_epi16(0x0F));
+  return _mm256_sub_epi16(nibbles, _mm256_set1_epi16(8));
 }
 
 // The 4 int16 at p in every 64-bit lane.
@@ -109,7 +118,7 @@ PAGEDSERVE_INLINE __m256 first_lanes(int n) {
 
 // The scaled scores of slots 8 * half .. 8 * half + 7 of tile t for G heads from h into s.scores (slot order;
 // slots from c.n on -inf), the tile two chunks on prefetched a K row per row read.
-template <int G>
+template <class C, int G>
 PAGEDSERVE_INLINE void score_half(const Queries& q, int64_t h, const Chunk& c, int t, int half, int64_t dim,
                                   Scratch& s) {
   const int64_t blocks = dim / kBlock;
@@ -119,10 +128,12 @@ PAGEDSERVE_INLINE void score_half(const Queries& q, int64_t h, const Chunk& c, i
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i lo[G], hi[G];      // slots 0-3 and 4-7 of the half, two partial sums each
     for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_si256();
+    // values 4r .. 4r + 3 of the block: q8_0's K row r; q4_0's row r % 4, its low nibbles then its high ones
     for (int r = 0; r < 8; ++r) {
-      const int64_t at = kv_quant::k_row<Q8_0>(dim, b, r);
-      if (half == 0) prefetch(c.k_ahead[t], at);
-      const __m256i k0 = widen(tile + at + half * 32), k1 = widen(tile + at + half * 32 + 16);
+      const int64_t at = kv_quant::k_row<C>(dim, b, kQ8<C> ? r : r % 4);
+      const bool high = !kQ8<C> && r >= 4;
+      if (half == 0 && !high) prefetch(c.k_ahead[t], at);
+      const __m256i k0 = widen<C>(tile + at + half * 32, high), k1 = widen<C>(tile + at + half * 32 + 16, high);
       for (int g = 0; g < G; ++g) {
         const __m256i w = broadcast4(q.values.data() + (h + g) * dim + b * kBlock + 4 * r);
         lo[g] = madd_add(lo[g], k0, w);
@@ -165,9 +176,10 @@ PAGEDSERVE_INLINE void weigh_chunk(const Chunk& c, int vectors, int64_t blocks, 
   for (int64_t b = 0; b < blocks; ++b) {
     __m256 d[2 * kChunkTiles];
     __m256 top = _mm256_setzero_ps();
-    for (int i = 0; i < vectors; ++i) {        // q8_0 scales are never negative; slots past n weigh nothing
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int i = 0; i < vectors; ++i) {        // slots past n weigh nothing
       d[i] = _mm256_and_ps(scales(c.v[i / 2], b, i % 2 * 8), first_lanes(c.n - 8 * i));
-      top = _mm256_max_ps(top, d[i]);
+      top = _mm256_max_ps(top, _mm256_and_ps(d[i], magnitude));
     }
     const float largest = simd::Avx2::hmax(top);
     s.step[b] = largest / kWeightSteps;
@@ -183,10 +195,11 @@ PAGEDSERVE_INLINE void weigh_chunk(const Chunk& c, int vectors, int64_t blocks, 
   }
 }
 
-// acc[g][values of V row `row`] = acc * corr[g] + step * the sum over the chunk's slots of weight * value, for
-// the G heads: per 16 bytes (4 values of 4 slots) one VPMADDWD per head with the 4 slots' weights; the tiles
-// two chunks on prefetched a V row per row read.
-template <int G>
+// acc[g][values 16 * row .. 16 * row + 15] = acc * corr[g] + step * the sum over the chunk's slots of weight *
+// value, for the G heads: per 16 bytes (4 values of 4 slots) one VPMADDWD per head with the 4 slots' weights;
+// the tiles two chunks on prefetched a V row per row read. Those values are q8_0's V row `row`, q4_0's low
+// (even `row`) or high nibbles of V row row / 2.
+template <class C, int G>
 PAGEDSERVE_INLINE void add_row(const Chunk& c, int tiles, int64_t row, int64_t dim, const Scratch& s, float* acc) {
   const int64_t b = row / 2, blocks = dim / kBlock;
   for (int part = 0; part < 2; ++part) {        // values 8 * part .. 8 * part + 7 of the row's 16
@@ -194,9 +207,10 @@ PAGEDSERVE_INLINE void add_row(const Chunk& c, int tiles, int64_t row, int64_t d
     for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_si256();
     for (int t = 0; t < tiles; ++t)
       for (int quad = 0; quad < kTile / 4; ++quad) {
-        const int64_t at = kv_quant::v_row(dim, row, quad);
-        if (part == 0) prefetch(c.v_ahead[t], at);
-        const __m256i x0 = widen(c.v[t] + at + part * 32), x1 = widen(c.v[t] + at + part * 32 + 16);
+        const int64_t at = kv_quant::v_row(dim, kQ8<C> ? row : b, quad);
+        const bool high = !kQ8<C> && row % 2;
+        if (part == 0 && !high) prefetch(c.v_ahead[t], at);
+        const __m256i x0 = widen<C>(c.v[t] + at + part * 32, high), x1 = widen<C>(c.v[t] + at + part * 32 + 16, high);
         for (int g = 0; g < G; ++g) {
           const __m256i w = broadcast4(s.weights.data() + (g * blocks + b) * kChunk + t * kTile + 4 * quad);
           lo[g] = madd_add(lo[g], x0, w);
@@ -214,7 +228,7 @@ PAGEDSERVE_INLINE void add_row(const Chunk& c, int tiles, int64_t row, int64_t d
 
 // A chunk of one kv head against G of its query heads (those from h of q), with the online-softmax update of
 // their running max / sum / accumulators (acc: [G, dim] in order, head h's first).
-template <int G>
+template <class C, int G>
 void attend_chunk(const Queries& q, int64_t h, float* acc, float* run_max, float* run_sum, const Chunk& c,
                   int64_t dim, Scratch& s) {
   const int tiles = (c.n + kTile - 1) / kTile, vectors = (c.n + 7) / 8;
@@ -224,7 +238,7 @@ void attend_chunk(const Queries& q, int64_t h, float* acc, float* run_max, float
       prefetch(c.k_ahead[t], at);
       prefetch(c.v_ahead[t], at);
     }
-    for (int half = 0; half < 2 && 16 * t + 8 * half < c.n; ++half) score_half<G>(q, h, c, t, half, dim, s);
+    for (int half = 0; half < 2 && 16 * t + 8 * half < c.n; ++half) score_half<C, G>(q, h, c, t, half, dim, s);
   }
   s.weights.resize(G * blocks * kChunk);
   s.step.resize(blocks);
@@ -233,15 +247,16 @@ void attend_chunk(const Queries& q, int64_t h, float* acc, float* run_max, float
     for (int g = 0; g < G; ++g)
       for (int64_t b = 0; b < blocks; ++b)
         std::fill_n(s.weights.data() + (g * blocks + b) * kChunk + 8 * vectors, 8, int16_t{0});
-  for (int64_t row = 0; row < dim / 16; ++row) add_row<G>(c, tiles, row, dim, s, acc);
+  for (int64_t row = 0; row < dim / 16; ++row) add_row<C, G>(c, tiles, row, dim, s, acc);
 }
 
 // attend_chunk for 1 to kMaxGroup query heads of (a part of) a GQA group.
-inline void attend_group(int group, const Queries& q, int64_t h, float* acc, float* run_max, float* run_sum,
+template <class C>
+void attend_group(int group, const Queries& q, int64_t h, float* acc, float* run_max, float* run_sum,
                          const Chunk& c, int64_t dim, Scratch& s) {
   switch (group) {
 #define PAGEDSERVE_GROUP(G) \
-  case G: return attend_chunk<G>(q, h, acc, run_max, run_sum, c, dim, s);
+  case G: return attend_chunk<C, G>(q, h, acc, run_max, run_sum, c, dim, s);
     PAGEDSERVE_GROUP(1) PAGEDSERVE_GROUP(2) PAGEDSERVE_GROUP(3) PAGEDSERVE_GROUP(4)
     PAGEDSERVE_GROUP(5) PAGEDSERVE_GROUP(6)
 #undef PAGEDSERVE_GROUP

@@ -1,5 +1,5 @@
 // The decode attention for q8_0 / q4_0 caches on CPUs with AVX-512 VNNI (ops/cpu/paged_attention.cpp's
-// run_chunks calls it; attention_int16.h serves AVX2 CPUs' q8_0, attention_quant.h the rest). It reads a
+// run_chunks calls it; attention_int16.h serves AVX2 CPUs, attention_quant.h the rest). It reads a
 // cache's tiles (kv_quant.h, ops/kv_quant.py) with integer dot products, a chunk of up to 4 tiles (64 slots)
 // of one kv head at a time, with one softmax update per chunk:
 //  - scores: VPDPBUSD, 64 byte products per instruction: a K row is 4 values of each of 16 slots, so one

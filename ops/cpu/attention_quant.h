@@ -1,6 +1,7 @@
 // The decode attention over the tiles of a q8_0 / q4_0 cache (kv_quant.h, ops/kv_quant.py) in fp32
-// arithmetic, written once over the instruction sets of simd.h: it serves CPUs without AVX-512 VNNI (whose
-// integer kernel is attention_int8.h) and the tests' narrower sets. A tile's K order puts a slot in each
+// arithmetic, written once over the instruction sets of simd.h: it serves the sets the integer kernels do not
+// (attention_int8.h on AVX-512 VNNI, attention_int16.h on the Avx2 set): AVX-512 CPUs without VNNI, the
+// scalar set, and the tests' lanes 16 on VNNI CPUs. A tile's K order puts a slot in each
 // 32-bit word, so W slots' scores come out in W lanes with no sums across lanes; its V order puts a value in
 // each word, 4 slots in it, so each lane accumulates one output value. Scales multiply once per 32-value block:
 // a block's scores are summed unscaled, then times the keys' scales; the softmax weights are multiplied by

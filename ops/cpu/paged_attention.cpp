@@ -1,8 +1,8 @@
 // Decode rows of pagedserve::paged_attention (one new token per row) against the paged K/V cache, for K/V
 // stored as fp32, bf16 or fp16 (each K/V vector widened to fp32 in registers as it is read; attention_tile.h),
 // or as q8_0 / q4_0 rows kept in tiles of 16 slots of one kv head (kv_quant.h): on CPUs with AVX-512 VNNI read
-// with integer dot products a chunk of 4 tiles at a time (attention_int8.h), q8_0 on the Avx2 set the same way
-// with VPMADDWD (attention_int16.h; both through run_chunks), elsewhere dequantized to fp32 in registers tile by
+// with integer dot products a chunk of 4 tiles at a time (attention_int8.h), on the Avx2 set the same way with
+// VPMADDWD (attention_int16.h; both through run_chunks), elsewhere dequantized to fp32 in registers tile by
 // tile (attention_quant.h, run_quant). The softmax and accumulators stay in fp32.
 // Quantized K is stored rotated (a 32-point Hadamard transform per block), so the queries are rotated the
 // same way as they are staged; V is not rotated, so outputs need nothing. bf16 queries against a bf16 cache
@@ -92,11 +92,11 @@ struct Int8Scratch {};
 template <class S>
 constexpr bool kInt8 = std::is_same_v<S, Int8Dot>;
 
-// The Avx2 set reads q8_0 caches with attention_int16.h's integer products.
+// The Avx2 set reads quantized caches with attention_int16.h's integer products.
 #ifdef PAGEDSERVE_AVX2
 namespace attention_int16 = pagedserve_cpu::attention_int16;
 template <class S, class C>
-constexpr bool kInt16 = std::is_same_v<S, Avx2> && std::is_same_v<C, kv_quant::Q8_0>;
+constexpr bool kInt16 = std::is_same_v<S, Avx2> && kQuant<C>;
 using Int16Queries = attention_int16::Queries;
 using Int16Scratch = attention_int16::Scratch;
 template <class S, class C>
@@ -125,7 +125,7 @@ template <class S>
 constexpr bool kAmx = std::is_same_v<S, AmxBf16>;
 
 // A row's queries as a set reads them: in the keys' lane order (fp32, or bf16 for the dot-product set), as
-// int8 blocks (Int8Dot; int16 for the Avx2 set's q8_0 kernel), or as B tiles (AmxBf16).
+// int8 blocks (Int8Dot; int16 for the Avx2 set's quantized kernel), or as B tiles (AmxBf16).
 template <class S>
 struct Staged {
   std::vector<Query<S>> values;
@@ -315,7 +315,7 @@ struct Decode {
   }
 
 #ifdef PAGEDSERVE_AVX2
-  // run() for the integer kernels (Int8Dot; the Avx2 set's q8_0): positions in chunks of 4 tiles, each kv
+  // run() for the integer kernels (Int8Dot; the Avx2 set's quantized caches): positions in chunks of 4 tiles, each kv
   // head's chunk in turn, the tiles two chunks on prefetched as these are read.
   void run_chunks(int64_t row, int64_t first, int64_t last, const Staged<S>& staged, Partial& st,
                   ThreadScratch<S>& s) const {
@@ -354,7 +354,7 @@ struct Decode {
                                             dim, s.int8);
           else
 #endif
-            attention_int16::attend_group(part, staged.int16, h, acc, st.max.data() + h, st.sum.data() + h, c,
+            attention_int16::attend_group<C>(part, staged.int16, h, acc, st.max.data() + h, st.sum.data() + h, c,
                                           dim, s.int16);
         }
       }
