@@ -30,9 +30,8 @@ QUANT_BF16_TOL = dict(atol=4e-2, rtol=2e-2)
 # (kv_quant.int8_queries), values weighed in 16-bit steps of a chunk's largest block scale (q8_0: / 65535,
 # q4_0: / 16383). Outputs are within ~1e-4 of the float64 attention of those queries (measured up to 4e-4
 # on outputs of size ~1; 8-bit weights measured up to 4e-2, past this tolerance).
-_FLAGS = open("/proc/cpuinfo").read().split()
-AVX512 = "avx512f" in _FLAGS and "avx512bw" in _FLAGS
-INT8_DOTS = AVX512 and "avx512_vnni" in _FLAGS
+AVX512 = "avx512" in ops.cpu.INSTRUCTION_SETS           # what the kernels were built for, not the CPU
+INT8_DOTS = "avx512_vnni" in ops.cpu.INSTRUCTION_SETS
 INT8_TOL = dict(atol=1e-3, rtol=1e-4)
 
 

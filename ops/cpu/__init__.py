@@ -1,12 +1,13 @@
 """C++ CPU kernels for pagedserve's hot ops; importing this package registers them over the torch bodies.
 
 `ops._registry.impl` imports this package on the first CPU call. The extension is compiled on first use
-(~15 s, cached under the user cache dir, see ops/cpu/build.py). Without a working compiler one line is
-logged and the torch bodies stay registered. PAGEDSERVE_CPU_KERNELS=0 skips the build on purpose.
+(about a minute on 2 cores, cached under the user cache dir; ops/cpu/build.py, which also says how to build
+for another CPU). Without a working compiler one line is logged and the torch bodies stay registered.
+PAGEDSERVE_CPU_KERNELS=0 skips the build on purpose.
 
 Ops with a kernel: paged_attention (decode and verify rows, and prefill rows on AVX-512 CPUs; K/V stored in
-fp32, bf16 or fp16, or q8_0 / q4_0 tiles read with integer dot products on AVX-512 VNNI CPUs and dequantized in
-registers elsewhere; other prefill rows keep torch's SDPA),
+fp32, bf16 or fp16, or q8_0 / q4_0 tiles read with integer dot products, VNNI's on AVX-512 CPUs and VPMADDWD
+on AVX2 ones; other prefill rows keep torch's SDPA),
 write_kv (converting to the cache's dtype or quantizing), rotary, quant_linear, quant_rows, rms_norm,
 add_rms_norm and silu_and_mul (these round where transformers does; only the order of the sum of squares, or
 the exp, differs, so fp32 outputs may differ from the torch body by an ulp or two).
@@ -36,11 +37,13 @@ log = logging.getLogger(__name__)
 ENV_SWITCH = "PAGEDSERVE_CPU_KERNELS"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)     # what the templated kernels are instantiated for
 _lib = None                                         # torch.ops.pagedserve_cpu once loaded
+INSTRUCTION_SETS: frozenset[str] = frozenset()     # what the loaded kernels were built for (install())
 # Rows of up to this many new tokens (decode rows, speculative verify rows) are attended by the C++ kernel,
-# one decode row per token, where SDPA's masked path was many times dearer. On AVX-512 CPUs every row is:
-# the kernel beat torch's flash SDPA there at 512-token prefill chunks too. Elsewhere longer rows stay with
-# SDPA, whose arithmetic serves many tokens per K/V value (the kernel's, one token).
-KERNEL_ROW_TOKENS = 2**31 - 1 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 64
+# one decode row per token, where SDPA's masked path was many times dearer. With AVX-512 kernels every row is
+# (install() lifts the cap): the kernel beat torch's flash SDPA there at 512-token prefill chunks too.
+# Elsewhere longer rows stay with SDPA, whose arithmetic serves many tokens per K/V value (the kernel's, one
+# token).
+KERNEL_ROW_TOKENS = 64
 
 
 def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor,
@@ -157,7 +160,7 @@ def use_backend(backend: str) -> None:
 def install() -> bool:
     """Load the extension (building it if needed) and register its kernels; on failure log one line and
     keep the torch bodies. Returns whether the C++ kernels are in use."""
-    global _lib
+    global _lib, INSTRUCTION_SETS, KERNEL_ROW_TOKENS
     if os.environ.get(ENV_SWITCH, "1") == "0":
         use_backend("torch")
         return False
@@ -170,6 +173,9 @@ def install() -> bool:
                         "Needs g++ and ninja; set %s=0 to skip the build.", type(e).__name__, reason, ENV_SWITCH)
             use_backend("torch")
             return False
+        INSTRUCTION_SETS = frozenset(filter(None, _lib.instruction_sets().split(",")))
+        if "avx512" in INSTRUCTION_SETS:
+            KERNEL_ROW_TOKENS = 2**31 - 1
     use_backend("cpp")
     return True
 

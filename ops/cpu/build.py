@@ -3,10 +3,13 @@
 The build goes to the user cache dir, keyed by a hash of the sources, their folder and the flags, the
 CPU's feature flags (the code is built with -march=native, so a cache shared between machines must not
 mix them) and the torch version; a later process finds it there and loads it in milliseconds.
+PAGEDSERVE_CPU_MARCH sets another -march (x86-64-v3: the AVX2 baseline, what a Zen 3 runs, on any newer CPU);
+the kernels report what they were built for (`instruction_sets` in ops/cpu/__init__.py).
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import time
 from pathlib import Path
@@ -19,7 +22,8 @@ SOURCE_DIR = Path(__file__).resolve().parent
 # -fopenmp: at::parallel_for is an OpenMP pragma in ATen's headers; without it every kernel runs on one
 # thread (measured: quant_linear took the same time on 1 and 2 threads). At run time the libgomp.so.1
 # that libtorch has already loaded serves it.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+MARCH_ENV = "PAGEDSERVE_CPU_MARCH"
+CFLAGS = ["-O3", f"-march={os.environ.get(MARCH_ENV) or 'native'}", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
 STALE_LOCK_S = 900          # a build lock older than this was left by a killed build
 LIBRARY = "pagedserve_cpu"      # the namespace the .cpp files register their ops under
