@@ -32,11 +32,8 @@ using kv_quant::Chunk;
 using kv_quant::kBlock;
 using kv_quant::kChunk;
 using kv_quant::kChunkTiles;
+using kv_quant::kQ8;
 using kv_quant::kTile;
-using kv_quant::Q8_0;
-
-template <class C>
-constexpr bool kQ8 = std::is_same_v<C, Q8_0>;
 
 constexpr int kMaxGroup = 6;                   // heads per pass: 2 accumulators each, with 3 operands, fill 16 registers
 constexpr float kWeightSteps = 32767.f;        // the weights' int16 range (VPMADDWD's operands are signed)

@@ -38,6 +38,7 @@ using kv_quant::Chunk;
 using kv_quant::kBlock;
 using kv_quant::kChunk;
 using kv_quant::kChunkTiles;
+using kv_quant::kQ8;
 using kv_quant::kTile;
 
 constexpr int kMaxGroup = 8;                  // query heads per pass over a chunk; larger GQA groups take several
@@ -68,8 +69,6 @@ PAGEDSERVE_INLINE __m512i broadcast_word(const void* p) {
   return _mm512_set1_epi32(word);
 }
 
-template <class C>
-constexpr bool kQ8 = std::is_same_v<C, kv_quant::Q8_0>;
 // What the keys' unsigned bytes are read with added: q8_0's int8 as v + 128, q4_0's nibbles as they are.
 template <class C>
 constexpr int32_t kOffset = kQ8<C> ? 128 : 8;

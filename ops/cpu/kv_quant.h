@@ -28,6 +28,8 @@ struct Q4_0 {
 };
 template <class C>
 constexpr bool kQuant = std::is_same_v<C, Q8_0> || std::is_same_v<C, Q4_0>;
+template <class C>
+constexpr bool kQ8 = std::is_same_v<C, Q8_0>;
 // What a cache of C is addressed in: bytes for the quantized rows, else the values themselves.
 template <class C>
 using Elem = std::conditional_t<kQuant<C>, uint8_t, C>;
