@@ -34,7 +34,7 @@ def test_the_avx2_build_passes_the_kernel_and_model_tests():
     sets = _run("-c", "import ops.cpu; print(sorted(ops.cpu.INSTRUCTION_SETS), ops.cpu.KERNEL_ROW_TOKENS)",
                 timeout=900)
     assert sets.returncode == 0, sets.stderr[-3000:]
-    assert sets.stdout.split("\n")[-2] == "['avx2'] 64", sets.stdout + sets.stderr[-3000:]
+    assert sets.stdout.strip().splitlines()[-1] == "['avx2'] 64", sets.stdout + sets.stderr[-3000:]
     tests = _run("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *[f"tests/{name}" for name in SUITE],
                  timeout=900)
     assert tests.returncode == 0, tests.stdout[-6000:] + tests.stderr[-2000:]

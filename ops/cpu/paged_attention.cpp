@@ -315,8 +315,8 @@ struct Decode {
   }
 
 #ifdef PAGEDSERVE_AVX2
-  // run() for the integer kernels (Int8Dot; the Avx2 set's quantized caches): positions in chunks of 4 tiles, each kv
-  // head's chunk in turn, the tiles two chunks on prefetched as these are read.
+  // run() for the integer kernels (Int8Dot; the Avx2 set's quantized caches): positions in chunks of 4 tiles,
+  // each kv head's chunk in turn, the tiles two chunks on prefetched as these are read.
   void run_chunks(int64_t row, int64_t first, int64_t last, const Staged<S>& staged, Partial& st,
                   ThreadScratch<S>& s) const {
     using kv_quant::kChunk;
@@ -354,8 +354,8 @@ struct Decode {
                                             dim, s.int8);
           else
 #endif
-            attention_int16::attend_group<C>(part, staged.int16, h, acc, st.max.data() + h, st.sum.data() + h, c,
-                                          dim, s.int16);
+            attention_int16::attend_group<C>(part, staged.int16, h, acc, st.max.data() + h, st.sum.data() + h,
+                                             c, dim, s.int16);
         }
       }
     }
