@@ -25,10 +25,10 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 QUANT_BF16_TOL = dict(atol=4e-2, rtol=2e-2)
 
 
-# The C++ decode kernel on CPUs with AVX-512 VNNI scores quantized caches with integer dot products
-# (ops/cpu/attention_int8.h; the extension is built for this CPU): queries quantized like q8_0 keys
-# (kv_quant.int8_queries), values weighed in 16-bit steps of a chunk's largest block scale (q8_0: / 65535,
-# q4_0: / 16383). Outputs are within ~1e-4 of the float64 attention of those queries (measured up to 4e-4
+# The C++ decode kernel scores quantized caches with integer dot products where it is built with AVX-512 VNNI
+# (ops/cpu/attention_int8.h) or for the AVX2 set (attention_int16.h): queries quantized like q8_0 keys
+# (kv_quant.int8_queries), values weighed in 16-bit steps of a chunk's largest block scale (VNNI: q8_0 / 65535,
+# q4_0 / 16383; AVX2: / 32767). Outputs are within ~1e-4 of the float64 attention of those queries (measured up to 4e-4
 # on outputs of size ~1; 8-bit weights measured up to 4e-2, past this tolerance).
 AVX512 = "avx512" in ops.cpu.INSTRUCTION_SETS           # what the kernels were built for, not the CPU
 INT8_DOTS = "avx512_vnni" in ops.cpu.INSTRUCTION_SETS

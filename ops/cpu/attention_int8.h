@@ -365,13 +365,9 @@ void attend_chunk(const Queries& q, int64_t h, float* acc, float* run_max, float
 template <class C>
 void attend_group(int group, const Queries& q, int64_t h, float* acc, float* run_max, float* run_sum,
                   const Chunk& c, int64_t dim, Scratch& s) {
-  switch (group) {
-#define PAGEDSERVE_GROUP(G) \
-  case G: return attend_chunk<C, G>(q, h, acc, run_max, run_sum, c, dim, s);
-    PAGEDSERVE_GROUP(1) PAGEDSERVE_GROUP(2) PAGEDSERVE_GROUP(3) PAGEDSERVE_GROUP(4)
-    PAGEDSERVE_GROUP(5) PAGEDSERVE_GROUP(6) PAGEDSERVE_GROUP(7) PAGEDSERVE_GROUP(8)
-#undef PAGEDSERVE_GROUP
-  }
+  with_group<kMaxGroup>(group, [&](auto g) {
+    attend_chunk<C, decltype(g)::value>(q, h, acc, run_max, run_sum, c, dim, s);
+  });
 }
 
 }  // namespace pagedserve_cpu::attention_int8

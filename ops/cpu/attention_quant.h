@@ -106,13 +106,9 @@ void attend_tile(const float* q, float* acc, float* run_max, float* run_sum, con
 template <class S, class F>
 void attend_group(int group, const float* q, float* acc, float* run_max, float* run_sum, const uint8_t* k_tile,
                   const uint8_t* v_tile, int len, int64_t dim, float scale, Scratch<S>& s) {
-  switch (group) {
-#define PAGEDSERVE_GROUP(G) \
-  case G: return attend_tile<S, F, G>(q, acc, run_max, run_sum, k_tile, v_tile, len, dim, scale, s);
-    PAGEDSERVE_GROUP(1) PAGEDSERVE_GROUP(2) PAGEDSERVE_GROUP(3) PAGEDSERVE_GROUP(4)
-    PAGEDSERVE_GROUP(5) PAGEDSERVE_GROUP(6) PAGEDSERVE_GROUP(7) PAGEDSERVE_GROUP(8)
-#undef PAGEDSERVE_GROUP
-  }
+  with_group<kMaxGroup>(group, [&](auto g) {
+    attend_tile<S, F, decltype(g)::value>(q, acc, run_max, run_sum, k_tile, v_tile, len, dim, scale, s);
+  });
 }
 
 }  // namespace pagedserve_cpu::attention_quant

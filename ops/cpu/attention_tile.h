@@ -251,13 +251,9 @@ template <class S, class C>
 void attend_group(int group, const Query<S>* q, float* acc, float* run_max, float* run_sum, const Elem<C>* k,
                   const Elem<C>* v, int64_t stride, int len, int64_t dim, float scale, Scratch<S>& s,
                   const Elem<C>* ahead_k, const Elem<C>* ahead_v) {
-  switch (group) {
-#define PAGEDSERVE_GROUP(G) \
-  case G: return attend_tile<S, C, G>(q, acc, run_max, run_sum, k, v, stride, len, dim, scale, s, ahead_k, ahead_v);
-    PAGEDSERVE_GROUP(1) PAGEDSERVE_GROUP(2) PAGEDSERVE_GROUP(3) PAGEDSERVE_GROUP(4)
-    PAGEDSERVE_GROUP(5) PAGEDSERVE_GROUP(6) PAGEDSERVE_GROUP(7) PAGEDSERVE_GROUP(8)
-#undef PAGEDSERVE_GROUP
-  }
+  with_group<kMaxGroup>(group, [&](auto g) {
+    attend_tile<S, C, decltype(g)::value>(q, acc, run_max, run_sum, k, v, stride, len, dim, scale, s, ahead_k, ahead_v);
+  });
 }
 
 }  // namespace pagedserve_cpu::attention

@@ -31,6 +31,16 @@
 
 namespace pagedserve_cpu::simd {
 
+// f(std::integral_constant<int, n>{}) for 1 <= n <= Max (nothing otherwise): the kernels are templated on the
+// heads of a GQA group they serve per pass, a count known at run time.
+template <int Max, class F>
+inline void with_group(int n, F&& f) {
+  if constexpr (Max > 0) {
+    if (n == Max) return f(std::integral_constant<int, Max>{});
+    with_group<Max - 1>(n, f);
+  }
+}
+
 PAGEDSERVE_INLINE float bits_to_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, sizeof f);
