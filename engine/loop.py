@@ -159,6 +159,7 @@ class EngineLoop:
         delta.stop_sequence = handle.detok.stop_sequence
         delta.prompt_tokens = len(handle.request.prompt_token_ids)
         delta.completion_tokens = len(handle.request.output_token_ids)
+        delta.cached_tokens = handle.request.num_cached_tokens or 0
         handle._push(delta)
         with self._count_lock:
             self._unfinished -= 1
@@ -169,7 +170,8 @@ class EngineLoop:
             if live is None:
                 continue
             request = live.request
-            delta = Delta(prompt_tokens=len(request.prompt_token_ids), completion_tokens=ev.generated_tokens)
+            delta = Delta(prompt_tokens=len(request.prompt_token_ids), completion_tokens=ev.generated_tokens,
+                          cached_tokens=request.num_cached_tokens or 0)
             if ev.token is not None:
                 delta.token_ids.append(ev.token)
                 delta.logprobs.append((ev.token, ev.logprob, ev.top_logprobs))

@@ -21,6 +21,7 @@ class Delta:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0              # of prompt_tokens, those read from the prefix cache
     stop_sequence: str | None = None    # the stop string that ended it (finish_reason STOP)
     token_times: list[float] = field(default_factory=list)   # when the engine produced each token
 
@@ -32,6 +33,7 @@ class Delta:
         self.finish_reason, self.error = later.finish_reason, later.error
         self.stop_sequence = later.stop_sequence
         self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
+        self.cached_tokens = later.cached_tokens
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Completion:
     prompt_tokens: int
     error: str | None = None
     logprobs: list[tuple] = field(default_factory=list)
+    cached_tokens: int = 0              # of prompt_tokens, those read from the prefix cache
 
 
 class RequestHandle:
@@ -132,7 +135,7 @@ class RequestHandle:
         for delta in self:
             total.merge(delta)
         return Completion(total.text, total.token_ids, total.finish_reason, total.prompt_tokens,
-                          total.error, total.logprobs)
+                          total.error, total.logprobs, total.cached_tokens)
 
     def cancel(self) -> None:
         self._loop.cancel(self.id)

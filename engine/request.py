@@ -115,6 +115,7 @@ class Request:
     arrival_time: float | None = None         # set by Scheduler.add from its clock when None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0              # tokens of all_token_ids already in the K/V cache
+    num_cached_tokens: int | None = None      # prompt tokens its first admission found in the prefix cache
     state: RequestState = RequestState.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

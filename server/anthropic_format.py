@@ -19,6 +19,13 @@ def _tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
+def _usage(delta: Delta) -> dict:
+    """Anthropic's split of the prompt: `input_tokens` computed, `cache_read_input_tokens` read from
+    the prefix cache (which every prompt fills on its own, so nothing counts as a cache write)."""
+    return {"input_tokens": delta.prompt_tokens - delta.cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": delta.cached_tokens, "output_tokens": delta.completion_tokens}
+
+
 class MessageFormat(WireFormat):
     KEEPALIVE = _event({"type": "ping"})
 
@@ -36,11 +43,9 @@ class MessageFormat(WireFormat):
             return "stop_sequence"
         return "tool_use" if self.output.called else "end_turn"
 
-    def _message(self, content: list, stop_reason: str | None, stop_sequence: str | None,
-                 output_tokens: int) -> dict:
+    def _message(self, content: list, stop_reason: str | None, stop_sequence: str | None, usage: dict) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens}}
+                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
     def whole(self, totals: list[Delta]) -> dict:
         total = totals[0]
@@ -56,11 +61,13 @@ class MessageFormat(WireFormat):
             call["arguments"] += d.arguments
         content += [{"type": "tool_use", "id": _tool_id(c["id"]), "name": c["name"],
                      "input": dumps_input(c["arguments"])} for c in calls.values()]
-        return self._message(content, self._stop_reason(total), total.stop_sequence, total.completion_tokens)
+        return self._message(content, self._stop_reason(total), total.stop_sequence, _usage(total))
 
     # ---- streaming
     def opening(self) -> list[bytes]:
-        return [_event({"type": "message_start", "message": self._message([], None, None, 0)})]
+        # the prompt may not be admitted yet: what the cache held comes with message_delta
+        usage = _usage(Delta(prompt_tokens=self.input_tokens))
+        return [_event({"type": "message_start", "message": self._message([], None, None, usage)})]
 
     def events(self, index: int, delta: Delta) -> list[bytes]:
         out = self._piece(self.output.feed(delta.text, final=delta.finish_reason is not None))
@@ -69,7 +76,7 @@ class MessageFormat(WireFormat):
             out.append(_event({"type": "message_delta",
                                "delta": {"stop_reason": self._stop_reason(delta),
                                          "stop_sequence": delta.stop_sequence},
-                               "usage": {"output_tokens": delta.completion_tokens}}))
+                               "usage": _usage(delta)}))
         return out
 
     def closing(self, last: list[Delta], include_usage: bool) -> list[bytes]:

@@ -115,7 +115,8 @@ class InfillFormat(WireFormat):
         stop_type = "word" if delta.stop_sequence else _STOP_TYPES.get(delta.finish_reason, "none")
         return {"index": 0, "content": content, "stop": True, "model": self.model,
                 "tokens_predicted": delta.completion_tokens, "tokens_evaluated": delta.prompt_tokens,
-                "stop_type": stop_type, "stopping_word": delta.stop_sequence or ""}
+                "tokens_cached": delta.cached_tokens, "stop_type": stop_type,
+                "stopping_word": delta.stop_sequence or ""}
 
 
 @router.post("/infill")

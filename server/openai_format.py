@@ -17,14 +17,12 @@ def finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else reason.value
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
 def usage_of(totals: list[Delta]) -> dict:
-    """The choices share one prompt: it counts once."""
-    return usage(max(t.prompt_tokens for t in totals), sum(t.completion_tokens for t in totals))
+    """The choices share one prompt: it counts once, and so do its tokens read from the prefix
+    cache, as the first choice found them (the later ones start from the first's blocks)."""
+    prompt, completion = max(t.prompt_tokens for t in totals), sum(t.completion_tokens for t in totals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": min(t.cached_tokens for t in totals)}}
 
 
 class _Format(WireFormat):

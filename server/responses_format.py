@@ -165,7 +165,7 @@ class ResponsesFormat(WireFormat):
                         if item.kind == "reasoning")
         return {"input_tokens": last.prompt_tokens, "output_tokens": last.completion_tokens,
                 "total_tokens": last.prompt_tokens + last.completion_tokens,
-                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "input_tokens_details": {"cached_tokens": last.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens_details": {"reasoning_tokens": min(reasoning, last.completion_tokens)}}
 
     def whole(self, totals: list[Delta]) -> dict:

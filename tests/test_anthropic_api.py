@@ -52,7 +52,12 @@ def test_plain_and_streamed_messages_agree(client):
         events = [event.type for event in stream]
         final = stream.get_final_message()
     assert final.content[0].text == whole.content[0].text and final.stop_reason == "max_tokens"
-    assert final.usage.input_tokens == whole.usage.input_tokens
+    # the stream repeats the prompt: all of it but its last block comes from the prefix cache, which
+    # Anthropic's usage counts apart from input_tokens
+    prompt = whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == prompt
+    assert final.usage.cache_read_input_tokens == (prompt - 1) // 16 * 16 > whole.usage.cache_read_input_tokens
+    assert whole.usage.cache_creation_input_tokens == final.usage.cache_creation_input_tokens == 0
     assert events[0] == "message_start" and events[-1] == "message_stop"
     assert {"content_block_start", "content_block_delta", "content_block_stop", "message_delta"} <= set(events)
 
@@ -75,7 +80,8 @@ def test_a_forced_tool_call_round_trip(client):
     answer = client.messages.create(model="tiny-claude", max_tokens=8, tools=TOOLS, messages=turn, extra_body=GREEDY)
     assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
     counted = client.messages.count_tokens(model="tiny-claude", tools=TOOLS, messages=turn).input_tokens
-    assert counted == answer.usage.input_tokens > first.usage.input_tokens
+    prompt = [u.input_tokens + u.cache_read_input_tokens for u in (answer.usage, first.usage)]
+    assert counted == prompt[0] > prompt[1] and answer.usage.cache_read_input_tokens > 0
 
 
 def test_stop_sequences_end_the_reply_and_say_which(client):

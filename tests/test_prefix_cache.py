@@ -40,6 +40,19 @@ def test_a_follow_up_starts_after_the_cached_blocks_of_the_first_turn():
     st_ = sched.stats()
     assert (st_.prefix_cache_query_tokens, st_.prefix_cache_hit_tokens) == (10 + 18, 12)
     assert st_.prefix_cache_hit_rate == 12 / 28 and st_.blocks_used == 0
+    assert (a.num_cached_tokens, follow.num_cached_tokens) == (0, 12)
+
+
+def test_a_preempted_request_counts_only_what_its_first_admission_found_cached():
+    # test_scheduler's needy-newest case with the cache on: B is preempted after 3 tokens and comes
+    # back to its own cached blocks, prompt and reply; none of that was cached for its prompt
+    sched, engine, _ = make_scheduler(prefix_cache=True, num_blocks=6, block_size=2)
+    a, b = make_request("A", 3, max_tokens=6), make_request("B", 4, max_tokens=6)
+    sched.add(a), sched.add(b)
+    drain(sched)
+    starts = [r.start_pos for p in engine.plans for r in p.rows if r.request_id == "B" and r.kind.value == "prefill"]
+    assert b.preemptions == 1 and starts[0] == 0 and starts[-1] > len(b.prompt_token_ids)
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 0)
 
 
 def test_a_fully_cached_prompt_recomputes_its_last_block_to_sample():
@@ -221,6 +234,8 @@ def test_random_workloads_share_blocks_safely_and_keep_outputs(cfg, ops):
     assert alloc.num_free == cfg["num_blocks"], "cached-but-idle blocks count as free"
     ref_kw = dict(block_size=bs, vocab=50, max_model_len=64, num_state_slots=min(1, cfg["num_state_slots"]))
     for req in added:
+        cached = req.num_cached_tokens or 0
+        assert cached % bs == 0 and cached < len(req.prompt_token_ids), req.id
         if req.finish_reason in (FinishReason.LENGTH, FinishReason.STOP):
             want = run_alone(req.id, req.prompt_token_ids, req.params.max_tokens, **ref_kw)
             assert req.output_token_ids == want[:len(req.output_token_ids)], req.id

@@ -33,14 +33,17 @@ def test_multi_turn_conversation_hits_the_previous_turns(pair, tiny_checkpoint):
     on, off = pair
     before = on.engine.scheduler.stats().prefix_cache_hit_tokens
     history: list[int] = []
+    cached = []
     for turn in range(3):
         history += ids(23 + 7 * turn, seed=turn)
-        [got] = outputs(on, [history])
-        assert got == outputs(off, [history])[0], f"turn {turn}"
-        history += got
+        [got], [alone] = on.generate([history], GREEDY), off.generate([history], GREEDY)
+        assert got.token_ids == alone.token_ids, f"turn {turn}"
+        assert alone.cached_tokens == 0 and got.prompt_tokens == len(history)
+        cached.append(got.cached_tokens)
+        history += got.token_ids
     hit = on.engine.scheduler.stats().prefix_cache_hit_tokens - before
     # turn 2 reuses turn 1's 23 prompt + 7 fed reply tokens (1 block), turn 3 turn 2's 68 (4 blocks)
-    assert hit == 16 + 64
+    assert hit == 16 + 64 and cached == [0, 16, 64]
     hf = hf_model(tiny_checkpoint("qwen3"))
     want = hf.generate(torch.tensor([history[:-8]]), max_new_tokens=8, do_sample=False)
     assert want[0, -8:].tolist() == history[-8:], "the last turn matches transformers"

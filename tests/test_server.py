@@ -96,6 +96,24 @@ def test_chat_stream_equals_whole_answer(oai):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(server, oai, auth):
+    block = httpx.get(server.url + "/props", headers=auth).json()["block_size"]
+    name = oai.models.list().data[0].id
+    chat = dict(model=name, messages=[{"role": "user", "content": "Caches keep what was read. " * 5}],
+                temperature=0, max_tokens=2)
+    first, again = oai.chat.completions.create(**chat), oai.chat.completions.create(**chat)
+    streamed = list(oai.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
+    prompt = first.usage.prompt_tokens
+    # a repeated prompt reads every block but the one holding its last token, which is computed to sample
+    full = (prompt - 1) // block * block
+    assert first.usage.prompt_tokens_details.cached_tokens < full
+    assert again.usage.prompt_tokens_details.cached_tokens == full > 0
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == full
+    text = dict(model=name, prompt=list(range(5, 5 + 2 * block + 3)), max_tokens=1)
+    cached = [oai.completions.create(**text).usage.prompt_tokens_details.cached_tokens for _ in range(2)]
+    assert cached == [0, 2 * block]
+
+
 def test_raw_sse_lines_end_with_done(server, auth):
     body = {"prompt": "The quick", "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=auth) as r:
