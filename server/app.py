@@ -11,10 +11,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.config import EngineConfig, ServerConfig
-from server import anthropic_routes, fim_routes, openai_routes, responses_routes
+from server import anthropic_routes, fim_routes, ollama_routes, openai_routes, responses_routes
 from server.admin_routes import router as admin_router
 from server.engine_host import EngineHost
-from server.errors import APIError, given_key, install_error_handlers, key_matches
+from server.errors import OLLAMA_PATHS, APIError, given_key, install_error_handlers, key_matches
 
 OPEN_PATHS = ("/health",)
 _SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -78,6 +78,9 @@ class Guard:
                                        "string; strings must be valid Unicode (a high surrogate "
                                        "\\ud800-\\udbff needs its low half right after it)",
                                   code="invalid_value").response(path)(scope, receive, send)
+        if path.startswith(OLLAMA_PATHS):   # Ollama reads any body as JSON (its docs' curl sends no type)
+            scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                         + [(b"content-type", b"application/json")])
         replayed = False
 
         async def replay() -> Message:
@@ -125,7 +128,7 @@ def create_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, *,
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.state.host = host
     install_error_handlers(app)
-    for routes in (openai_routes, anthropic_routes, responses_routes, fim_routes):
+    for routes in (openai_routes, anthropic_routes, responses_routes, fim_routes, ollama_routes):
         app.include_router(routes.router)
     app.include_router(admin_router)
     app.add_middleware(Guard, api_key=server_cfg.api_key, max_body_bytes=server_cfg.max_body_bytes,

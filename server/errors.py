@@ -1,6 +1,6 @@
 """API errors with the right HTTP status, in the shape of the API that was called: OpenAI's
-`{"error": {"message", "type", "param", "code"}}`, or on Anthropic's routes (ANTHROPIC_PATHS)
-`{"type": "error", "error": {"type", "message"}}`.
+`{"error": {"message", "type", "param", "code"}}`, on Anthropic's routes (ANTHROPIC_PATHS)
+`{"type": "error", "error": {"type", "message"}}`, on Ollama's (OLLAMA_PATHS) `{"error": message}`.
 
 Every failure a client can cause is an APIError (or a validation error mapped here) so it never
 surfaces as a 500, and nothing about the engine's state changes because of it.
@@ -19,6 +19,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
           503: "service_unavailable"}
 ANTHROPIC_PATHS = ("/v1/messages",)
+OLLAMA_PATHS = ("/api/",)
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                     429: "rate_limit_error", 503: "overloaded_error"}
@@ -38,15 +39,26 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
+    def _message_with_param(self) -> str:
+        """For the shapes with no `param` field: the message names it."""
+        return self.message + (f" ({self.param})" if self.param and self.param not in self.message else "")
+
     def anthropic_body(self) -> dict:
-        where = f" ({self.param})" if self.param and self.param not in self.message else ""
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
-                                           "message": self.message + where}}
+                                           "message": self._message_with_param()}}
+
+    def ollama_body(self) -> dict:
+        return {"error": self._message_with_param()}
 
     def response(self, path: str = "") -> JSONResponse:
         """The error for a request to `path`, shaped as that route's API shapes its errors."""
-        anthropic = path.startswith(ANTHROPIC_PATHS)
-        return JSONResponse(self.anthropic_body() if anthropic else self.body(), status_code=self.status)
+        if path.startswith(ANTHROPIC_PATHS):
+            body = self.anthropic_body()
+        elif path.startswith(OLLAMA_PATHS):
+            body = self.ollama_body()
+        else:
+            body = self.body()
+        return JSONResponse(body, status_code=self.status)
 
 
 def given_key(headers: dict[bytes, bytes]) -> bytes:

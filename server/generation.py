@@ -139,11 +139,10 @@ class Generation:
 
 async def answer(request, host: EngineHost, fmt, completion_id: str, handles: list, *, stream: bool,
                  include_usage: bool = False):
-    """The completion's answer in `fmt`: an SSE stream, or one JSON body once it is done."""
+    """The completion's answer in `fmt`: a stream of its events, or one JSON body once it is done."""
     generation = Generation(host, completion_id, handles, fmt)
     if stream:
-        return EventStream(generation.events(include_usage), on_close=generation.close,
+        return EventStream(generation.events(include_usage), fmt, on_close=generation.close,
                            send_timeout_s=host.engine_cfg.client_timeout_s,
-                           keepalive_s=host.server_cfg.sse_keepalive_s, keepalive=fmt.KEEPALIVE,
-                           open_streams=host.metrics.open_streams)
+                           keepalive_s=host.server_cfg.sse_keepalive_s, open_streams=host.metrics.open_streams)
     return JSONResponse(await generation.whole(request.receive))

@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from server.errors import APIError
+
 _QUEUE_EVENTS = 4       # more would hide a slow reader from the engine's pause policy
 _DONE = object()
 
@@ -43,18 +45,22 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 
 class EventStream(Response):
-    def __init__(self, events: AsyncIterator[bytes], *, on_close: Callable[[], None],
-                 send_timeout_s: float, keepalive_s: float, keepalive: bytes, open_streams=None):
+    """`fmt` (server/wire_format.py) gives the content type, the keep-alive and the event that ends a
+    stream whose producer failed."""
+
+    def __init__(self, events: AsyncIterator[bytes], fmt, *, on_close: Callable[[], None],
+                 send_timeout_s: float, keepalive_s: float, open_streams=None):
         # no Response.__init__: it would announce content-length 0 for a body it does not know
         self.status_code = 200
         self.background = None
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+        self.raw_headers = [(b"content-type", fmt.MEDIA_TYPE.encode()),
                             (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         self._events = events
+        self._fmt = fmt
         self._on_close = on_close
         self._send_timeout_s = send_timeout_s
         self._keepalive_s = keepalive_s     # short, so clients and proxies with read timeouts see
-        self._keepalive = keepalive         # life while queued
+        self._keepalive = fmt.KEEPALIVE     # life while queued
         self._open_streams = open_streams   # a gauge (inc/dec) of the streams being served, or None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -66,9 +72,7 @@ class EventStream(Response):
                 async for event in self._events:
                     await queue.put(event)
             except Exception as exc:  # noqa: BLE001 - a bug must still end the stream cleanly
-                await queue.put(sse_event({"error": {"message": f"internal error: {exc}",
-                                                     "type": "server_error", "param": None,
-                                                     "code": None}}))
+                await queue.put(self._fmt.error_event(APIError(500, f"internal error: {exc}")))
             await queue.put(_DONE)
 
         async def deliver() -> None:

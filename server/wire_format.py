@@ -13,9 +13,10 @@ class WireFormat:
       stream, before any delta, for each choice's delta, and after the last (`last`: every choice's
       final delta, which carries the token counts); `error_event(error)` ends a failed stream;
     - `whole(totals)`: the body of a non-streamed answer, one merged Delta per choice;
-    - `KEEPALIVE`: what a stream sends while it has nothing to say.
+    - `KEEPALIVE`: what a stream sends while it has nothing to say; `MEDIA_TYPE`: its content type.
     """
     KEEPALIVE = b": keep-alive\n\n"
+    MEDIA_TYPE = "text/event-stream; charset=utf-8"
 
     def __init__(self, request_id: str, model: str, tokenizer, want_logprobs: bool = False):
         self.id = request_id

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from server.sse import EventStream
+from server.wire_format import WireFormat
 from server_process import ServerProcess
 from test_server import TINY, metric
 
@@ -175,8 +176,8 @@ def test_stalled_client_is_dropped_after_the_write_timeout():
                 raise
 
     async def run() -> None:
-        stream = EventStream(events(), on_close=lambda: closed.append("on_close"),
-                             send_timeout_s=0.3, keepalive_s=1.0, keepalive=b": keep-alive\n\n")
+        stream = EventStream(events(), WireFormat("id", "model", None),
+                             on_close=lambda: closed.append("on_close"), send_timeout_s=0.3, keepalive_s=1.0)
         await asyncio.wait_for(stream({"type": "http"}, never, send), 10)   # a bound, not a speed
     asyncio.run(run())
     assert closed == ["send", "send timed out", "events", "on_close"]
