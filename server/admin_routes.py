@@ -11,7 +11,7 @@ import dataclasses
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from server.engine_host import EngineHost
+from server.engine_host import host_of
 from server.errors import APIError, given_key, key_matches
 from server.metrics import CONTENT_TYPE
 
@@ -19,13 +19,9 @@ router = APIRouter()
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
-def _host(request: Request) -> EngineHost:
-    return request.app.state.host
-
-
 def require_operator(request: Request) -> None:
     """403 unless the caller holds the admin key, or (no admin key set) calls from this machine."""
-    key = _host(request).server_cfg.admin_key
+    key = host_of(request).server_cfg.admin_key
     if key:
         if not key_matches(given_key(dict(request.scope["headers"])), key):
             raise APIError(403, "the request table is the operator's: send the admin key as "
@@ -37,7 +33,7 @@ def require_operator(request: Request) -> None:
 
 @router.get("/health")
 async def health(request: Request):
-    host = _host(request)
+    host = host_of(request)
     if host.ready:
         return {"status": "ok"}
     status = ("draining" if host.draining else "failed" if host.load_error else "loading")
@@ -46,7 +42,7 @@ async def health(request: Request):
 
 @router.get("/props")
 async def props(request: Request):
-    host = _host(request)
+    host = host_of(request)
     client = host.require_client(admitting=False)
     s = await asyncio.to_thread(client.stats)
     prefix_cache = {"enabled": host.engine_cfg.prefix_cache, "hit_rate": s.prefix_cache_hit_rate,
@@ -65,7 +61,7 @@ async def props(request: Request):
 @router.get("/v1/requests")
 async def list_requests(request: Request):
     require_operator(request)
-    host = _host(request)
+    host = host_of(request)
     s = await asyncio.to_thread(host.require_client(admitting=False).stats)
     rows = [{"id": r.id, "client": r.client, "state": r.state, "prompt_tokens": r.prompt_tokens,
              "generated_tokens": r.generated_tokens, "blocks": r.blocks, "slot": r.slot,
@@ -92,7 +88,7 @@ async def list_requests(request: Request):
 @router.delete("/v1/requests/{request_id}")
 async def cancel_request(request_id: str, request: Request):
     require_operator(request)
-    host = _host(request)
+    host = host_of(request)
     if not await asyncio.to_thread(host.cancel, request_id):
         raise APIError(404, f"no live request {request_id!r} (GET /v1/requests lists them)",
                        param="request_id", code="request_not_found")
@@ -101,4 +97,4 @@ async def cancel_request(request_id: str, request: Request):
 
 @router.get("/metrics")
 async def metrics(request: Request):
-    return Response(await asyncio.to_thread(_host(request).metrics.render), media_type=CONTENT_TYPE)
+    return Response(await asyncio.to_thread(host_of(request).metrics.render), media_type=CONTENT_TYPE)

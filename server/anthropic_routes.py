@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from server.anthropic_format import MessageFormat
 from server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from server.chat import Chat, prepare_chat
-from server.engine_host import EngineHost, client_label
+from server.engine_host import EngineHost, client_label, host_of
 from server.generation import answer
 from server.tools import tool_request
 
@@ -28,7 +28,7 @@ async def _chat(host: EngineHost, body: MessagesRequest) -> Chat:
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
-    host: EngineHost = request.app.state.host
+    host = host_of(request)
     chat = await _chat(host, body)
     rid = f"msg_{uuid.uuid4().hex}"
     handles = host.submit(rid, chat.prompt_ids, host.choices(body, len(chat.prompt_ids), chat.grammar),
@@ -40,5 +40,5 @@ async def messages(body: MessagesRequest, request: Request):
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
-    chat = await _chat(request.app.state.host, body)
+    chat = await _chat(host_of(request), body)
     return {"input_tokens": len(chat.prompt_ids)}

@@ -28,6 +28,11 @@ def served_names(model: str, aliases: tuple[str, ...] = ()) -> tuple[str, ...]:
     return (os.path.basename(model.rstrip("/\\")) or model,)
 
 
+def host_of(request) -> "EngineHost":
+    """The app's EngineHost (server/app.py keeps it in app.state)."""
+    return request.app.state.host
+
+
 def client_label(request, user: str | None) -> str:
     """Who asked, for the request table: the `user` field, else the HTTP peer ip:port."""
     if user:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, model_validator
 from engine.output import Delta
 from engine.request import FinishReason
 from server.chat import compile_grammar
-from server.engine_host import EngineHost, client_label
+from server.engine_host import EngineHost, client_label, host_of
 from server.errors import APIError
 from server.fim import (CURRENT_FILE, REPO_NAME, FileChunk, FimTokens, fim_prompt, find_fim_tokens,
                                with_fim_stops)
@@ -121,7 +121,7 @@ class InfillFormat(WireFormat):
 
 @router.post("/infill")
 async def infill(body: InfillRequest, request: Request):
-    host: EngineHost = request.app.state.host
+    host = host_of(request)
     client = host.accept(body)
     fim = require_fim(host, "input_suffix")
     extra = [FileChunk(c.filename, c.text) for c in body.input_extra]

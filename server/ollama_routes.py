@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from server.chat import compile_grammar, prepare_chat
-from server.engine_host import EngineHost, client_label
+from server.engine_host import EngineHost, client_label, host_of
 from server.errors import APIError
 from server.fim import find_fim_tokens, fim_prompt, with_fim_stops
 from server.fim_routes import require_fim
@@ -29,13 +29,9 @@ API_VERSION = "0.12.0"      # the Ollama API this door follows, for clients that
 _sizes: dict[str, int] = {}
 
 
-def _host(request: Request) -> EngineHost:
-    return request.app.state.host
-
-
 @router.post("/api/chat")
 async def chat(body: OllamaChatRequest, request: Request):
-    host = _host(request)
+    host = host_of(request)
     client = host.accept(body)
     tools = tool_request([t.as_dict() for t in body.tools or ()], None, True)
     chat = await prepare_chat(host, body.chat(), tools, body.output_grammar(), body.template_kwargs())
@@ -51,7 +47,7 @@ async def generate(body: OllamaGenerateRequest, request: Request):
     """`suffix`: the model's fill-in-the-middle prompt; `raw`: the prompt as it is; else the chat
     template's, `system` and `prompt` as its turns. No prompt at all is Ollama's way to load a model:
     it is loaded, and the answer says so."""
-    host = _host(request)
+    host = host_of(request)
     client = host.accept(body)
     if body.is_load():
         return JSONResponse({"model": body.model, "created_at": created_at(), "response": "", "done": True,
@@ -106,14 +102,14 @@ def _model(host: EngineHost, name: str) -> dict:
 
 @router.get("/api/tags")
 async def tags(request: Request):
-    host = _host(request)
+    host = host_of(request)
     host.require_client(admitting=False)
     return {"models": [_model(host, name) for name in host.names]}
 
 
 @router.get("/api/ps")
 async def ps(request: Request):
-    host = _host(request)
+    host = host_of(request)
     host.require_client(admitting=False)
     return {"models": [_model(host, name) | {"size_vram": 0 if host.info.device == "cpu" else _size(host.info.model_path),
                                                "context_length": host.info.max_model_len}
@@ -124,7 +120,7 @@ async def ps(request: Request):
 async def show(body: ShowRequest, request: Request):
     """The model's details and what it can do (`capabilities`: tools when its chat template shows
     them, insert when it has FIM tokens, thinking when its replies are split into reasoning)."""
-    host = _host(request)
+    host = host_of(request)
     name = body.model or body.name
     if not name:
         raise APIError(400, "model is required", param="model", code="invalid_value")

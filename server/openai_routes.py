@@ -7,7 +7,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from server.chat import compile_grammar, prepare_chat
-from server.engine_host import EngineHost, client_label
+from server.engine_host import client_label, host_of
 from server.errors import APIError
 from server.fim import fim_prompt, with_fim_stops
 from server.fim_routes import require_fim
@@ -19,13 +19,9 @@ from server.tools import tool_request
 router = APIRouter()
 
 
-def _host(request: Request) -> EngineHost:
-    return request.app.state.host
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    host = _host(request)
+    host = host_of(request)
     client = host.accept(body)
     tools = tool_request([t.as_dict() for t in body.tools or ()], body.tool_choice,
                          body.parallel_tool_calls)
@@ -41,7 +37,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    host = _host(request)
+    host = host_of(request)
     client = host.accept(body)
     prompt = body.single_prompt()
     fim = None
@@ -72,7 +68,7 @@ async def completions(body: CompletionRequest, request: Request):
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    host = _host(request)
+    host = host_of(request)
     max_len = host.info.max_model_len if host.info else None
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
                                         "owned_by": "pagedserve", "max_model_len": max_len}
@@ -81,7 +77,7 @@ async def list_models(request: Request):
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request):
-    host = _host(request)
+    host = host_of(request)
     host.check_model(body.model)
     tokenizer = host.require_client().tokenizer
     if (body.prompt is None) == (body.messages is None):
@@ -100,7 +96,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request):
-    host = _host(request)
+    host = host_of(request)
     host.check_model(body.model)
     host.check_token_ids(body.tokens, "tokens")
     return {"prompt": host.client.tokenizer.decode(body.tokens)}

@@ -9,7 +9,7 @@ import uuid
 from fastapi import APIRouter, Request
 
 from server.chat import Chat, prepare_chat
-from server.engine_host import EngineHost, client_label
+from server.engine_host import EngineHost, client_label, host_of
 from server.errors import APIError
 from server.generation import answer
 from server.responses_format import ResponsesFormat
@@ -22,7 +22,7 @@ _CHAT_TOOL_PARAM = re.compile(r"^tools\.(\d+)\.function\.")
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
-    host: EngineHost = request.app.state.host
+    host = host_of(request)
     client = host.accept(body)
     tools = tool_request(body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls)
     chat = await _prepare(host, body, tools)
