@@ -121,8 +121,9 @@ class ServerConfig:
                           "shows and cancels every client's requests; empty = it answers loopback only")
     served_model_name: tuple = _key((), "a list of non-empty names", lambda v: all(v),
                                     "names clients send as `model` and /v1/models lists (repeat the flag "
-                                    "for aliases); empty = the preset name, or the model file's or "
-                                    "directory's name")
+                                    "for aliases; one with * ? [...] is a pattern names may match, never "
+                                    "listed); empty = the preset name, or the model file's or directory's "
+                                    "name")
     tool_call_parser: str = _choice("auto", ("auto", "hermes", "qwen3_coder", "none"),
                                     "how tool calls are read from replies; auto = from the chat template "
                                     "(<function=...> = qwen3_coder, <tool_call> = hermes), none = as text")

@@ -4,6 +4,7 @@ engine loop's records (engine/output.py); a completion's choices are one group t
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 import os
 import threading
@@ -20,12 +21,17 @@ log = logging.getLogger("pagedserve.server")
 SHED = "the server is shutting down; the request was not started"
 
 
+def is_pattern(alias: str) -> bool:
+    """An alias with shell wildcards (`claude-*`) accepts the names it matches; it is never listed."""
+    return any(c in alias for c in "*?[")
+
+
 def served_names(model: str, aliases: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The names the `model` field may use, the one /v1/models lists first: the configured aliases,
-    else the model's own name (a preset name, or a file's or directory's name, never its path)."""
-    if aliases:
-        return tuple(dict.fromkeys(aliases))
-    return (os.path.basename(model.rstrip("/\\")) or model,)
+    """The names the `model` field may use and /v1/models lists, the first the default: the
+    configured aliases less the patterns, else the model's own name (a preset name, or a file's or
+    directory's name, never its path)."""
+    plain = tuple(dict.fromkeys(a for a in aliases if not is_pattern(a)))
+    return plain or (os.path.basename(model.rstrip("/\\")) or model,)
 
 
 def host_of(request) -> "EngineHost":
@@ -46,9 +52,11 @@ class EngineHost:
                  build: Callable[[EngineConfig], object] | None = None):
         self.engine_cfg = engine_cfg
         self.server_cfg = server_cfg
-        self.names = served_names(engine_cfg.model, server_cfg.served_model_name)
-        # without aliases the spec itself (a path, say) is still accepted, just never listed
-        self._accepted = set(self.names) | ({engine_cfg.model} if not server_cfg.served_model_name else set())
+        aliases = server_cfg.served_model_name
+        self.names = served_names(engine_cfg.model, aliases)
+        self._patterns = tuple(a for a in aliases if is_pattern(a))
+        # without plain aliases the spec itself (a path, say) is still accepted, just never listed
+        self._accepted = set(self.names) | (set() if any(not is_pattern(a) for a in aliases) else {engine_cfg.model})
         self.client = None
         self.info = None                      # engine.client.EngineInfo once loaded
         self.load_error: str | None = None
@@ -135,8 +143,9 @@ class EngineHost:
         return client
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self._accepted:
-            served = " or ".join(repr(n) for n in self.names)
+        if name is not None and name not in self._accepted and not any(
+                fnmatch.fnmatchcase(name, p) for p in self._patterns):
+            served = " or ".join(repr(n) for n in self.names + self._patterns)
             raise APIError(404, f"model {name!r} is not served here; use {served} (GET /v1/models)",
                            param="model", code="model_not_found")
 

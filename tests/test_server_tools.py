@@ -32,7 +32,8 @@ SAMPLED = {"top_k": 0}          # a request that samples on the server with GENE
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory, tiny_checkpoint):
     with chat_server(tmp_path_factory, tiny_checkpoint, "tiny-hermes", HERMES, "--served-model-name", "tiny",
-                 "--served-model-name", "tiny-alias", generation=GENERATION) as srv:
+                     "--served-model-name", "tiny-alias", "--served-model-name", "claude-*",
+                     generation=GENERATION) as srv:
         yield srv
 
 
@@ -230,12 +231,16 @@ def test_the_models_sampling_defaults_apply_to_fields_left_out(hermes):
     assert len(loose) > 1
 
 
-def test_served_model_names_are_the_only_names(hermes):
+def test_served_model_names_are_the_only_names_and_patterns_match_more(hermes):
     models = httpx.get(hermes.url + "/v1/models").json()["data"]
-    assert [m["id"] for m in models] == ["tiny", "tiny-alias"]
+    assert [m["id"] for m in models] == ["tiny", "tiny-alias"]          # a pattern is never listed
     assert _client(hermes).completions.create(model="tiny-alias", prompt="x", max_tokens=1).choices
-    r = httpx.post(hermes.url + "/v1/completions", json={"model": "tiny-hermes", "prompt": "x"})
-    assert r.status_code == 404 and "'tiny' or 'tiny-alias'" in r.json()["error"]["message"]
+    # what Claude Code sends unless told otherwise, through the pattern claude-*
+    reply = _client(hermes).chat.completions.create(model="claude-sonnet-4-5", messages=ASK, max_tokens=1)
+    assert reply.model == "claude-sonnet-4-5" and reply.choices
+    for name in ("tiny-hermes", "gpt-4o", "Claude-sonnet"):            # patterns match case and all
+        r = httpx.post(hermes.url + "/v1/completions", json={"model": name, "prompt": "x"})
+        assert r.status_code == 404 and "'tiny' or 'tiny-alias' or 'claude-*'" in r.json()["error"]["message"]
 
 
 BAD = [
