@@ -12,6 +12,15 @@ from server.errors import APIError
 from server.schemas import Finite, NamedFunction, NamedToolChoice, SamplingBody, unsupported
 
 
+# Claude Code starts its system prompt with this line, whose hash changes with every request: it tells
+# the model nothing, and left in, no request would find the one before it in the prefix cache
+_BILLING = "x-anthropic-billing-header:"
+
+
+def _without_billing(text: str) -> str:
+    return text.partition("\n")[2] if text.startswith(_BILLING) else text
+
+
 class Block(BaseModel):
     """One content block; which fields matter depends on `type`."""
     model_config = ConfigDict(extra="allow")
@@ -37,13 +46,16 @@ def _text(content: str | list[Block] | None, where: str, allowed: tuple[str, ...
 
 
 class Message(BaseModel):
-    role: Literal["user", "assistant"]
+    # "system": an instruction in the middle of the conversation (Claude Code sends them)
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
     def for_template(self, where: str) -> list[dict]:
         """This turn as chat-template messages: a user turn's tool results become `tool`
         messages (before its text), an assistant turn's tool_use blocks its tool_calls."""
         blocks = self.content if isinstance(self.content, list) else [Block(type="text", text=self.content)]
+        if self.role == "system":
+            return [{"role": "system", "content": _text(blocks, f"{where}.content")}]
         if self.role == "user":
             out = [{"role": "tool", "tool_call_id": b.tool_use_id,
                     "content": ("[error] " if b.is_error else "") + _text(b.content, f"{where}.content.{j}.content")}
@@ -151,7 +163,11 @@ class MessagesRequest(SamplingBody):
 
     def chat(self) -> list[dict]:
         """The conversation for the chat template, less a trailing assistant turn (`prefill()`)."""
-        system = _text(self.system, "system") if self.system is not None else None
+        system = None
+        if self.system is not None:
+            _text(self.system, "system")        # refuses blocks that are not text
+            texts = [self.system] if isinstance(self.system, str) else [b.text or "" for b in self.system]
+            system = "".join(_without_billing(t) for t in texts)
         messages = self.messages[:-1] if self.prefill() else self.messages
         turns = [m for i, msg in enumerate(messages) for m in msg.for_template(f"messages.{i}")]
         return ([{"role": "system", "content": system}] if system else []) + turns

@@ -12,7 +12,7 @@ from server.engine_host import EngineHost
 from server.errors import APIError
 from server.reasoning import ReasoningParser, reply_reasoning
 from server.tool_parsers import PARSERS
-from server.tools import ToolRequest, call_grammar, parameters_schema, renders_tools
+from server.tools import ToolRequest, call_grammar, lenient, parameters_schema, renders_tools
 
 _TEMPLATE_OWN = ("messages", "add_generation_prompt", "tools")
 
@@ -54,7 +54,7 @@ async def prepare_chat(host: EngineHost, messages: list[dict], tools: ToolReques
                             "model, so it cannot call them; send the request without tools",
                        param="tools", code="unsupported_value")
     for i, tool in enumerate(tools.tools if tools else ()):   # a broken schema is refused even in auto
-        await compile_grammar(host, Grammar.json_schema(parameters_schema(tool)),
+        await compile_grammar(host, Grammar.json_schema(lenient(parameters_schema(tool))),
                               f"tools.{i}.function.parameters")
     extra = dict(template_kwargs or {})
     clash = [k for k in _TEMPLATE_OWN if k in extra]

@@ -54,6 +54,17 @@ def parameters_schema(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object"}
 
 
+# A tool's schema guides the model, and a forced call's grammar: keywords llguidance does not implement
+# (propertyNames, ...) go unenforced there rather than refuse the request (Claude Code's tools use
+# them); a schema that is wrong (a bad type, say) is still refused.
+TOOL_JSON_OPTIONS = JSON_OPTIONS | {"lenient": True}
+
+
+def lenient(schema: dict) -> dict:
+    """`schema` to compile with TOOL_JSON_OPTIONS (its own x-guidance options over them)."""
+    return schema | {"x-guidance": TOOL_JSON_OPTIONS | schema.get("x-guidance", {})}
+
+
 def renders_tools(tokenizer) -> bool:
     """Whether the chat template shows the model the tools it is given (cached per template)."""
     template = tokenizer.chat_template or ""
@@ -81,7 +92,7 @@ def call_grammar(fmt: str, request: ToolRequest, literal: Callable[[str], str]) 
                            "properties": {"name": {"const": t["function"]["name"]},
                                           "arguments": parameters_schema(t)},
                            "required": ["name", "arguments"], "additionalProperties": False}
-                          for t in tools], "x-guidance": JSON_OPTIONS}
+                          for t in tools], "x-guidance": TOOL_JSON_OPTIONS}
         lark = [f"start: call{repeat}",
                 f'call: {open_} "\\n" %json {json.dumps(body)} "\\n" {close}']
     elif fmt == "qwen3_coder":
@@ -115,7 +126,7 @@ def _xml_function(rule: str, tool: dict) -> list[str]:
             lines.append(f'{value}[suffix="\\n</parameter>\\n"]: /(?s:.{length})/')
             lines.append(f'{name}: "<parameter={param}>\\n" {value}')
         else:       # numbers, booleans, objects...: JSON, so the schema's bounds hold
-            lines.append(f"{value}: %json {json.dumps(sub | {'x-guidance': JSON_OPTIONS})}")
+            lines.append(f"{value}: %json {json.dumps(lenient(sub))}")
             lines.append(f'{name}: "<parameter={param}>\\n" {value} "\\n</parameter>\\n"')
         parts.append(name if param in required else f"{name}?")
     lines.insert(0, f'{rule}: "<function={tool["function"]["name"]}>\\n" {" ".join(parts)} "</function>\\n"')

@@ -93,6 +93,33 @@ def test_stop_sequences_end_the_reply_and_say_which(client):
     assert cut.content[0].text == text[:text.index(stop)]
 
 
+def test_a_system_message_mid_conversation_is_a_system_turn(client, server):
+    # as Claude Code sends them: an instruction between the turns, rendered where it stands
+    turn = ASK + [{"role": "assistant", "content": "Which units?"}, {"role": "system", "content": "Use Celsius."},
+                  {"role": "user", "content": "Celsius, please."}]
+    message = client.messages.create(model="tiny-claude", max_tokens=8, messages=turn, extra_body=GREEDY)
+    chat = httpx.post(server.url + "/v1/chat/completions", headers={"x-api-key": KEY}, json={
+        "messages": turn, "max_tokens": 8} | GREEDY).json()
+    assert message.content[0].text == chat["choices"][0]["message"]["content"]
+    counted = client.messages.count_tokens(model="tiny-claude", messages=turn).input_tokens
+    assert counted == chat["usage"]["prompt_tokens"]
+
+
+def test_claude_codes_billing_line_is_left_out_of_the_prompt(client):
+    # Claude Code's first system block changes with every request; the prompt is the rest, and the
+    # prefix cache serves all of it but the last block
+    system = [{"type": "text", "text": "Be brief and exact. " * 12}]
+    kw = dict(model="tiny-claude", max_tokens=4, messages=ASK, extra_body=GREEDY)
+    plain = client.messages.create(**kw, system=system)
+    prompt = plain.usage.input_tokens + plain.usage.cache_read_input_tokens
+    for nonce in ("3a9", "7c1"):
+        billing = {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{nonce}; cc_entrypoint=cli;"}
+        billed = client.messages.create(**kw, system=[billing] + system)
+        assert billed.content[0].text == plain.content[0].text
+        assert billed.usage.input_tokens + billed.usage.cache_read_input_tokens == prompt
+        assert billed.usage.cache_read_input_tokens == (prompt - 1) // 16 * 16
+
+
 def test_count_tokens_is_the_engines_count(client, server):
     counted = client.messages.count_tokens(model="tiny-claude", system="Be brief.", messages=ASK)
     chat = httpx.post(server.url + "/v1/chat/completions", headers={"x-api-key": KEY}, json={

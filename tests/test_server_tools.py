@@ -108,6 +108,21 @@ def test_parallel_calls_get_their_own_indices(hermes):
     assert max(seen) > 1                                  # several calls in one reply happen
 
 
+def test_a_schema_keyword_the_grammar_engine_lacks_leaves_the_tool_usable(hermes):
+    # Claude Code's tools use propertyNames, which llguidance does not implement: the tool is still
+    # offered, and a forced call still holds to the rest of the schema
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False, "propertyNames": {"enum": ["city"]}}
+    tools = [{"type": "function", "function": {"name": "pick_city", "parameters": schema}}]
+    client = _client(hermes)
+    assert client.chat.completions.create(model="tiny", messages=ASK, tools=tools, max_tokens=2).choices
+    forced = client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0, max_tokens=200)
+    (name, arguments), = _calls(forced.choices[0].message)
+    assert name == "pick_city"
+    jsonschema.validate(arguments, schema)
+
+
 def test_tool_choice_none_hides_the_tools_and_calls_nothing(hermes):
     client = _client(hermes)
     base = dict(model="tiny", messages=ASK, temperature=0, max_tokens=4)
