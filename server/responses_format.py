@@ -39,6 +39,7 @@ class _Item:
     text: str = ""              # the reasoning or message text, or the call's arguments
     name: str | None = None
     call_id: str | None = None
+    namespace: str | None = None    # a call of a namespace tool's function
 
     def __post_init__(self) -> None:
         self.id = f"{_PREFIX[self.kind]}_{uuid.uuid4().hex}"
@@ -64,7 +65,8 @@ class _Item:
         done = status != "in_progress"
         head = {"id": self.id, "type": self.kind, "status": status}
         if self.kind == "function_call":
-            return head | {"call_id": self.call_id, "name": self.name, "arguments": self.text if done else ""}
+            return head | {"call_id": self.call_id, "name": self.name, "arguments": self.text if done else ""} | (
+                {"namespace": self.namespace} if self.namespace else {})
         if self.kind == "reasoning":
             return head | {"summary": [], "content": [self.part()] if done else []}
         return head | {"role": "assistant", "content": [self.part()] if done else []}
@@ -74,10 +76,11 @@ class OutputItems:
     """One reply's output items, built piece by piece; each step returns the stream events it
     makes (without sequence numbers). A whole answer is the same steps over a single piece."""
 
-    def __init__(self):
+    def __init__(self, namespaced: dict[str, tuple[str, str]] | None = None):
         self.items: list[_Item] = []
         self._open: _Item | None = None
         self._calls: dict[int, _Item] = {}      # the parser's call index -> its item
+        self._namespaced = namespaced or {}     # the model's name of a namespace's function -> both parts
 
     def add(self, piece: ChatPiece) -> list[dict]:
         # a piece's order: more arguments of calls begun earlier, then reasoning, answer text and
@@ -89,7 +92,8 @@ class OutputItems:
                 events += self._text(kind, text)
         for call in (c for c in piece.tool_calls if c.index not in earlier):
             if call.index not in self._calls:
-                item = _Item("function_call", len(self.items), name=call.name, call_id=call.id)
+                namespace, name = self._namespaced.get(call.name, (None, call.name))
+                item = _Item("function_call", len(self.items), name=name, call_id=call.id, namespace=namespace)
                 events += self._start(item)
                 self._calls[call.index] = item
             events += self._arguments(call)
@@ -140,11 +144,12 @@ class OutputItems:
 
 
 class ResponsesFormat(WireFormat):
-    def __init__(self, response_id: str, model: str, tokenizer, output: ChatOutput, echo: dict):
+    def __init__(self, response_id: str, model: str, tokenizer, output: ChatOutput, echo: dict,
+                 namespaced: dict[str, tuple[str, str]] | None = None):
         super().__init__(response_id, model, tokenizer)
         self.output = output
         self.echo = echo                # the request fields every response object repeats
-        self.items = OutputItems()
+        self.items = OutputItems(namespaced)
         self._sequence = 0
         self._failed = False
 

@@ -24,20 +24,22 @@ _CHAT_TOOL_PARAM = re.compile(r"^tools\.(\d+)\.function\.")
 async def create_response(body: ResponsesRequest, request: Request):
     host = host_of(request)
     client = host.accept(body)
-    tools = tool_request(body.chat_tools(), body.chat_tool_choice(), body.parallel_tool_calls)
-    chat = await _prepare(host, body, tools)
+    offered = body.chat_tools()
+    tools = tool_request([tool for _, tool in offered], body.chat_tool_choice(), body.parallel_tool_calls)
+    chat = await _prepare(host, body, tools, [where for where, _ in offered])
     rid = f"resp_{uuid.uuid4().hex}"
     params = host.choices(body, len(chat.prompt_ids), chat.grammar)
     handles = host.submit(rid, chat.prompt_ids, params, client=client_label(request, body.user),
                           param="input")
     fmt = ResponsesFormat(rid, body.model or host.names[0], client.tokenizer, chat.output(),
-                          body.echoed(params[0]))
+                          body.echoed(params[0]), body.namespaced())
     return await answer(request, host, fmt, rid, handles, stream=body.stream)
 
 
-async def _prepare(host: EngineHost, body: ResponsesRequest, tools: ToolRequest | None) -> Chat:
+async def _prepare(host: EngineHost, body: ResponsesRequest, tools: ToolRequest | None, paths: list[str]) -> Chat:
     """The chat core names chat-completions params in its 400s (`messages`,
-    `tools.0.function.parameters`): say them as this API spells them."""
+    `tools.0.function.parameters`): say them as this API spells them (`paths`: where the request has
+    each offered tool)."""
     try:
         return await prepare_chat(host, body.messages(), tools, body.output_grammar(), None)
     except APIError as e:
@@ -45,6 +47,6 @@ async def _prepare(host: EngineHost, body: ResponsesRequest, tools: ToolRequest 
         if param == "messages":
             e.param = "input"
         elif _CHAT_TOOL_PARAM.match(param):
-            e.param = _CHAT_TOOL_PARAM.sub(r"tools.\1.", param)
+            e.param = _CHAT_TOOL_PARAM.sub(lambda m: paths[int(m.group(1))] + ".", param)
             e.message = e.message.replace(param, e.param)
         raise

@@ -3,6 +3,7 @@ what the chat core reads: chat-template messages from `instructions` + `input`, 
 and tool_choice, the output grammar from `text.format`, and the request fields a response echoes."""
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -15,6 +16,8 @@ from server.schemas import (ChatMessage, FunctionCall, NamedFunction, NamedToolC
 _STATELESS = ("this server is stateless and keeps no responses; send the whole conversation in "
               "`input` (earlier outputs as message and function_call items)")
 _TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
+log = logging.getLogger("pagedserve.server")
+_skipped_logged: set[str] = set()
 
 
 class Part(BaseModel):
@@ -55,6 +58,7 @@ class FunctionCallItem(BaseModel):
     call_id: str
     name: str
     arguments: str = "{}"
+    namespace: str | None = None        # the namespace tool the function is in
 
 
 class FunctionCallOutputItem(BaseModel):
@@ -86,13 +90,24 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")]
 
 
 class FunctionTool(BaseModel):
-    """A tool in Responses' flat shape; only `type: "function"` runs here."""
+    """A tool in Responses' flat shape: a function, a namespace of functions (`tools`), or a tool the
+    API's host runs (web_search, file_search, ...), which this server has none of."""
     model_config = ConfigDict(extra="allow")
     type: str
     name: str | None = Field(None, pattern=_TOOL_NAME)
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
+    tools: list[FunctionTool] | None = None
+
+    def as_chat(self, where: str, name: str | None = None) -> dict:
+        """This function as an OpenAI chat tool dict, under `name` if given."""
+        if self.name is None:
+            raise APIError(400, f"{where} has no name; a function tool needs one", param=f"{where}.name",
+                           code="invalid_value")
+        function = {"name": name or self.name, "description": self.description, "parameters": self.parameters,
+                    "strict": self.strict}
+        return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
 
 
 class ToolChoiceObject(BaseModel):
@@ -163,22 +178,32 @@ class ResponsesRequest(SamplingBody):
         return [("text.format.schema", fmt.schema_, "json_schema")] + super()._constraints()
 
     # ---- the chat core's inputs
-    def chat_tools(self) -> list[dict]:
-        """The tools as OpenAI chat tool dicts (a 400 naming any that is not a function)."""
+    def chat_tools(self) -> list[tuple[str, dict]]:
+        """The functions the model is offered, each with where the request has it, as OpenAI chat
+        tool dicts: a namespace's under `namespace.name` (namespaced() maps them back). Tools the
+        API's host would run are not offered: this server has none, and a client that lists them
+        (Codex CLI lists web_search) still gets its functions called."""
         out = []
         for i, tool in enumerate(self.tools or ()):
-            if tool.type != "function":
-                raise unsupported(f"tools.{i}.type",
-                                  f"tools of type {tool.type!r}; this server has no built-in tools and "
-                                  "runs function tools ({\"type\": \"function\", \"name\": ..., "
-                                  "\"parameters\": ...})")
-            if tool.name is None:
-                raise APIError(400, f"tools.{i} has no name; a function tool needs one",
-                               param=f"tools.{i}.name", code="invalid_value")
-            function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters,
-                        "strict": tool.strict}
-            out.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+            if tool.type == "function":
+                out.append((f"tools.{i}", tool.as_chat(f"tools.{i}")))
+            elif tool.type == "namespace":
+                for j, member in enumerate(tool.tools or ()):
+                    where = f"tools.{i}.tools.{j}"
+                    if member.type != "function":
+                        raise unsupported(f"{where}.type", f"tools of type {member.type!r} in a namespace; "
+                                                           "it holds function tools")
+                    out.append((where, member.as_chat(where, f"{tool.name}.{member.name}")))
+            elif tool.type not in _skipped_logged:
+                _skipped_logged.add(tool.type)
+                log.warning("not offering tools of type %r to the model: this server runs no hosted tools",
+                            tool.type)
         return out
+
+    def namespaced(self) -> dict[str, tuple[str, str]]:
+        """`namespace.name` as the model calls a namespace's function -> (namespace, name)."""
+        return {f"{t.name}.{m.name}": (t.name, m.name) for t in self.tools or () if t.type == "namespace"
+                for m in t.tools or ()}
 
     def chat_tool_choice(self) -> str | NamedToolChoice | None:
         choice = self.tool_choice
@@ -204,8 +229,8 @@ class ResponsesRequest(SamplingBody):
                 chat.append(ChatMessage(role=item.role, content=_text(item.content, f"{where}.content")))
             elif isinstance(item, FunctionCallItem):
                 calls.add(item.call_id)
-                _add_call(chat, ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
-                                                                               arguments=item.arguments)))
+                name = f"{item.namespace}.{item.name}" if item.namespace else item.name
+                _add_call(chat, ToolCall(id=item.call_id, function=FunctionCall(name=name, arguments=item.arguments)))
             elif isinstance(item, FunctionCallOutputItem):
                 if item.call_id not in calls:
                     raise APIError(400, f"{where} answers call_id {item.call_id!r}, and no function_call item "

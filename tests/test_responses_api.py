@@ -246,11 +246,39 @@ def test_reasoning_comes_as_a_reasoning_item(thinking):
     assert events[-1].response.output_text == whole.output_text
 
 
+def test_namespaced_functions_are_called_and_hosted_tools_not_offered(hermes):
+    # as Codex CLI sends its tools: functions in a namespace, and web_search, which this server cannot run
+    tools = [{"type": "web_search", "external_web_access": False},
+             {"type": "namespace", "name": "weather", "description": "Weather tools", "tools": TOOLS[:1]}]
+    client = _client(hermes)
+    out = client.responses.create(model="tiny", input=ASK, tools=tools, tool_choice="required",
+                                  parallel_tool_calls=False, max_output_tokens=200)
+    (call,) = [item for item in out.output if item.type == "function_call"]
+    assert (call.name, call.namespace) == ("get_weather", "weather")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    streamed = [e.item for e in _events(client, model="tiny", input=ASK, tools=tools, tool_choice="required",
+                                        parallel_tool_calls=False, max_output_tokens=200)
+                if e.type == "response.output_item.done"]
+    assert [(i.name, i.namespace, i.arguments) for i in streamed] == [(call.name, call.namespace, call.arguments)]
+    # the call goes back in with its namespace: the model reads it under the name it called
+    turn = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True, exclude={"id", "status"}),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    flat = {"type": "function", **{k: v for k, v in TOOLS[0].items() if k != "type"}, "name": "weather.get_weather"}
+    flat_call = turn[1] | {"name": "weather.get_weather"}
+    flat_call.pop("namespace")
+    answers = [client.responses.create(model="tiny", input=history, tools=offered, max_output_tokens=1)
+               for history, offered in ((turn, tools), ([turn[0], flat_call, turn[2]], [flat]))]
+    assert answers[0].usage.input_tokens == answers[1].usage.input_tokens
+
+
 # ---- refusals -------------------------------------------------------------------------------------
 BAD = [
     ({"previous_response_id": "resp_123"}, "previous_response_id", "stateless"),
     ({"store": True}, "store", "stateless"),
-    ({"tools": [{"type": "web_search"}]}, "tools.0.type", "'web_search'"),
+    ({"tools": [{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}]}, "tools.0.tools.0.type",
+     "'web_search'"),
+    ({"tools": TOOLS[:1] + [{"type": "namespace", "name": "n", "tools": [
+        {"type": "function", "name": "f", "parameters": {"type": "objekt"}}]}]}, "tools.1.tools.0.parameters", "objekt"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "objekt"}}]}, "tools.0.parameters",
      "objekt"),
     ({"tool_choice": {"type": "file_search"}, "tools": TOOLS}, "tool_choice.type", "'file_search'"),
