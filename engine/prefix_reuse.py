@@ -44,7 +44,9 @@ class PrefixReuse:
         return hit[:resume], hashes[resume - 1] if resume else None
 
     def admitted(self, req: Request, hit: list[int], restore: bytes | None, state_op: StateOp | None) -> None:
-        """A request claimed its resources: count the hit and queue the op that readies its slot."""
+        """A request claimed its resources: count the hit (the request's own count, what its first
+        admission found: a readmission after preemption finds its own blocks) and queue the op that
+        readies its slot."""
         if state_op is not None:
             self._ops.append(state_op)
         self.checkpoint_hits += restore is not None
@@ -52,6 +54,8 @@ class PrefixReuse:
             self._indexed[req.id] = len(hit)
             self.query_tokens += len(req.all_token_ids)
             self.hit_tokens += req.num_computed_tokens
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = req.num_computed_tokens
 
     def _checkpoint_due(self, req: Request) -> int:
         """The block boundary a later request with these tokens would resume from."""

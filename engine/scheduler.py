@@ -361,8 +361,6 @@ class Scheduler:
             self._waiting.remove(req)
             req.add_blocks(claim.shared)
             req.num_computed_tokens = len(hit) * lim.block_size
-            if req.num_cached_tokens is None:    # a readmission after preemption finds its own blocks
-                req.num_cached_tokens = req.num_computed_tokens
             self._reservations[req.id] = claim.reservation
             req.state_slot = claim.slot
             self._prefix.admitted(req, hit, restore, claim.state_op)
