@@ -6,7 +6,7 @@ from __future__ import annotations
 from engine.output import Delta
 from engine.request import FinishReason
 from server.anthropic_schemas import dumps_input
-from server.chat_output import ChatOutput, ChatPiece
+from server.chat_output import ChatOutput, ChatPiece, whole_calls
 from server.sse import sse_event
 from server.wire_format import WireFormat
 
@@ -55,12 +55,8 @@ class MessageFormat(WireFormat):
             content.append({"type": "thinking", "thinking": piece.reasoning, "signature": ""})
         if piece.content:
             content.append({"type": "text", "text": piece.content})
-        calls: dict[int, dict] = {}
-        for d in piece.tool_calls:
-            call = calls.setdefault(d.index, {"id": d.id, "name": d.name, "arguments": ""})
-            call["arguments"] += d.arguments
-        content += [{"type": "tool_use", "id": _tool_id(c["id"]), "name": c["name"],
-                     "input": dumps_input(c["arguments"])} for c in calls.values()]
+        content += [{"type": "tool_use", "id": _tool_id(c["id"]), "name": c["function"]["name"],
+                     "input": dumps_input(c["function"]["arguments"])} for c in whole_calls(piece.tool_calls)]
         return self._message(content, self._stop_reason(total), total.stop_sequence, _usage(total))
 
     # ---- streaming

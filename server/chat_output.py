@@ -46,3 +46,16 @@ class ChatOutput:
                 parsed = ParsedDelta(parsed.content + end.content, parsed.tool_calls + end.tool_calls)
         calls = parsed.tool_calls if self._parallel else [c for c in parsed.tool_calls if c.index == 0]
         return ChatPiece(split.reasoning, parsed.content, calls)
+
+
+def whole_calls(deltas: list[ToolCallDelta]) -> list[dict]:
+    """A reply's call deltas folded into whole OpenAI tool calls (`id`, `type`, `function` with
+    `name` and the JSON `arguments`), in call order."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, {"id": None, "type": "function",
+                                          "function": {"name": None, "arguments": ""}})
+        call["id"] = d.id or call["id"]
+        call["function"]["name"] = d.name or call["function"]["name"]
+        call["function"]["arguments"] += d.arguments
+    return [calls[i] for i in sorted(calls)]

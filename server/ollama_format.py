@@ -12,7 +12,8 @@ from datetime import datetime, timezone
 from engine.output import Delta
 from engine.request import FinishReason
 from server.anthropic_schemas import dumps_input
-from server.chat_output import ChatOutput, ChatPiece
+from server.chat_output import ChatOutput, ChatPiece, whole_calls
+from server.tool_call_parser import ToolCallDelta
 from server.wire_format import WireFormat
 
 
@@ -38,7 +39,7 @@ class _Format(WireFormat):
         self._start = time.monotonic()
         self._first: float | None = None    # the first and last tokens' times (the engine's clock)
         self._last: float | None = None
-        self._calls: dict[int, dict] = {}
+        self._calls: list[ToolCallDelta] = []      # the reply's call deltas so far
 
     def _split(self, delta: Delta) -> ChatPiece:
         if delta.token_times:
@@ -47,15 +48,12 @@ class _Format(WireFormat):
         if self.output is None:
             return ChatPiece(content=delta.text)
         piece = self.output.feed(delta.text, final=delta.finish_reason is not None)
-        for call in piece.tool_calls:
-            entry = self._calls.setdefault(call.index, {"name": "", "arguments": ""})
-            entry["name"] = call.name or entry["name"]
-            entry["arguments"] += call.arguments
+        self._calls += piece.tool_calls
         return piece
 
     def _tool_calls(self) -> list[dict]:
-        return [{"function": {"name": c["name"], "arguments": dumps_input(c["arguments"])}}
-                for _, c in sorted(self._calls.items())]
+        return [{"function": {"name": c["function"]["name"], "arguments": dumps_input(c["function"]["arguments"])}}
+                for c in whole_calls(self._calls)]
 
     def _done(self, delta: Delta) -> dict:
         """The last object's fields: why it ended, the counts, the durations (prompt: until the first

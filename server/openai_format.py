@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.output import Delta
 from engine.request import FinishReason
-from server.chat_output import ChatOutput
+from server.chat_output import ChatOutput, whole_calls
 from server.sse import sse_event
 from server.tool_call_parser import ToolCallDelta
 from server.wire_format import WireFormat
@@ -105,7 +105,7 @@ class ChatFormat(_Format):
             if self.reasoning_field:
                 message["reasoning_content"] = piece.reasoning or None
             if piece.tool_calls:
-                message["tool_calls"] = _whole_calls(piece.tool_calls)
+                message["tool_calls"] = whole_calls(piece.tool_calls)
             choices.append({"index": i, "message": message,
                             "logprobs": self.logprobs(total.logprobs) if self.want_logprobs else None,
                             "finish_reason": self._reason(i, total.finish_reason)})
@@ -120,17 +120,6 @@ def _call_delta(call: ToolCallDelta) -> dict:
     if call.name is not None:
         function = {"name": call.name} | function
     return out | {"function": function}
-
-
-def _whole_calls(deltas: list[ToolCallDelta]) -> list[dict]:
-    calls: dict[int, dict] = {}
-    for d in deltas:
-        call = calls.setdefault(d.index, {"id": None, "type": "function",
-                                          "function": {"name": None, "arguments": ""}})
-        call["id"] = d.id or call["id"]
-        call["function"]["name"] = d.name or call["function"]["name"]
-        call["function"]["arguments"] += d.arguments
-    return [calls[i] for i in sorted(calls)]
 
 
 class TextFormat(_Format):
