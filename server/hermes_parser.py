@@ -1,5 +1,6 @@
 """Hermes-style tool calls (Qwen2.5, Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-also as a fenced JSON block, streamed as the arguments object is written."""
+also as a fenced JSON block or a bare object opening the reply, streamed as the arguments object is
+written (a bare object's once it is whole)."""
 from __future__ import annotations
 
 import json
@@ -9,12 +10,14 @@ from server.tool_call_parser import CALL_END, CALL_START, ToolCallParser
 
 
 _HERMES_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_BARE = ("", "")    # a bare object: no tags around it; its region ends where the object does
 
 
 class HermesParser(ToolCallParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3). Small models
-    often write the same object in a Markdown code fence instead (Qwen2.5-Coder-1.5B does): a
-    fenced block whose object names a tool is a call too, any other fenced block stays content."""
+    often write the same object in a Markdown code fence, or bare, instead (Qwen2.5-Coder-1.5B
+    does both): a fenced block whose object names a tool is a call too, and so are such objects
+    opening the reply, one after another; any other block or object stays content."""
     name = "hermes"
     BLOCKS = ((CALL_START, CALL_END), ("```json\n", "```"), ("```\n", "```"))
 
@@ -23,6 +26,8 @@ class HermesParser(ToolCallParser):
         self._streaming: _ObjectEnd | None = None  # the open call's header is read: the buffer
                                                    # holds its arguments, scanned for their end
         self._sent = 0           # characters of the arguments already emitted
+        self._bare_ok = True     # nothing but bare calls so far: an object here may be one too
+        self._bare_end: _ObjectEnd | None = None     # where the open bare object ends
 
     def _step_call(self, final: bool) -> bool:
         region, closed = self._block_region()
@@ -39,7 +44,7 @@ class HermesParser(ToolCallParser):
             if not (closed or final):
                 return False
             self._streaming = None
-        elif self._read_header(region):
+        elif self._block is not _BARE and self._read_header(region):
             return True
         elif closed or final:
             call = _parse_call_json(region, self._tools)
@@ -51,6 +56,27 @@ class HermesParser(ToolCallParser):
             return False
         self._leave_block(region, closed)
         return True
+
+    def _step_outside(self, final: bool) -> bool:
+        if self._bare_ok:
+            body = self._buf.lstrip()
+            if body.startswith("{"):
+                self._held_ws = self._buf[:len(self._buf) - len(body)]
+                self._buf, self._block, self._bare_end = body, _BARE, _ObjectEnd()
+                return True
+            if body or final:
+                self._bare_ok = False
+        return super()._step_outside(final)
+
+    def _block_region(self) -> tuple[str, bool]:
+        if self._block is not _BARE:
+            return super()._block_region()
+        end = self._bare_end.scan(self._buf)
+        return (self._buf, False) if end is None else (self._buf[:end], True)
+
+    def _reject_block(self, region: str, closed: bool) -> None:
+        self._bare_ok = False       # the reply has content: later objects are content too
+        super()._reject_block(region, closed)
 
     def _read_header(self, region: str) -> bool:
         match = _HERMES_HEADER.match(region)

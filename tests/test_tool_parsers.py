@@ -207,6 +207,19 @@ HERMES_CASES = [
     Case("fenced_shell_is_content", "Run\n```\nls -la\n```\nthen.", SAME),
     Case("fenced_unknown_tool_is_content",
          '```json\n{"name": "get_stock", "arguments": {"t": "A"}}\n```', SAME),
+    # a bare object opening the reply, as Qwen2.5-Coder-1.5B answers the OpenAI Agents SDK
+    Case("bare_call", '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+         "", [("get_weather", '{"city": "Paris"}')]),
+    Case("bare_calls_then_text",
+         ' \n{"name": "get_weather", "arguments": {"city": "Rome"}}\n{"name": "search", "arguments": '
+         '{"query": "}"}}\nDone.', "\nDone.", [("get_weather", '{"city": "Rome"}'), ("search", '{"query": "}"}')]),
+    Case("bare_keys_reversed_is_content", '{"arguments": {"city": "Rome"}, "name": "get_weather"}', SAME),
+    Case("bare_object_after_tagged_call_is_content", W + '\n{"name": "search", "arguments": {"query": "x"}}',
+         '\n{"name": "search", "arguments": {"query": "x"}}', [("get_weather", '{"city": "Paris"}')]),
+    Case("bare_data_is_content", ' {"name": "Bob", "age": 3}\n{"name": "search", "arguments": {}}', SAME),
+    Case("bare_unknown_tool_is_content", '{"name": "get_stock", "arguments": {"t": "A"}}', SAME),
+    Case("bare_unfinished_is_content", '{"name": "get_weather", "arguments": {"city": "Pa', SAME),
+    Case("object_after_text_is_content", 'Call: {"name": "search", "arguments": {"query": "x"}}', SAME),
 ]
 
 
