@@ -139,6 +139,10 @@ class ServerConfig:
     request_timeout_s: float = _key(0.0, "a number >= 0 (seconds; 0 = no limit)", lambda v: v >= 0,
                                     "a request still generating after this many seconds stops and returns "
                                     "what it has (finish_reason length); 0 = no limit")
+    responses_store: int = _key(256, "an integer >= 0 (0 = keep none)", lambda v: v >= 0,
+                                "how many finished /v1/responses answers are kept in memory for "
+                                "previous_response_id and GET /v1/responses/{id} (the oldest go first; "
+                                "lost on restart); 0 = keep none")
     allowed_origins: tuple = _key((), 'a list of origins such as "http://localhost:3000", or "*"',
                                   lambda v: all(v), "web origins whose pages may call the API from a browser "
                                                     "(CORS; \"*\" = any); empty = none")

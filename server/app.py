@@ -15,6 +15,7 @@ from server import anthropic_routes, fim_routes, ollama_routes, openai_routes, r
 from server.admin_routes import router as admin_router
 from server.engine_host import EngineHost
 from server.errors import OLLAMA_PATHS, APIError, given_key, install_error_handlers, key_matches
+from server.response_store import ResponseStore
 
 OPEN_PATHS = ("/health",)
 _SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -127,6 +128,7 @@ def create_app(engine_cfg: EngineConfig, server_cfg: ServerConfig, *,
 
     app = FastAPI(title="pagedserve", lifespan=lifespan)
     app.state.host = host
+    app.state.responses = ResponseStore(server_cfg.responses_store)
     install_error_handlers(app)
     for routes in (openai_routes, anthropic_routes, responses_routes, fim_routes, ollama_routes):
         app.include_router(routes.router)

@@ -73,8 +73,8 @@ def key_matches(given: bytes, key: str) -> bool:
 
 
 def _field(loc) -> str | None:
-    # loc is ("body", "messages", 0, "content"); OpenAI names the param as a dotted path
-    parts = [str(p) for p in loc if p != "body"]
+    # loc is ("body", "messages", 0, "content") or ("query", "limit"); OpenAI names the param as a dotted path
+    parts = [str(p) for p in (loc[1:] if loc and loc[0] in ("body", "query") else loc)]
     return ".".join(parts) or None
 
 

@@ -2,11 +2,13 @@
 an assistant message, function calls), or the stream of events that builds it, each with a
 `sequence_number`: response.created / in_progress, then per item output_item.added, its content
 part or arguments deltas and their .done events, output_item.done, and response.completed (or
-response.incomplete, or an error event and response.failed)."""
+response.incomplete, or an error event and response.failed). The finished response object goes
+to `keep` (server/response_store.py) where the request asked to store it."""
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.output import Delta
@@ -145,10 +147,11 @@ class OutputItems:
 
 class ResponsesFormat(WireFormat):
     def __init__(self, response_id: str, model: str, tokenizer, output: ChatOutput, echo: dict,
-                 namespaced: dict[str, tuple[str, str]] | None = None):
+                 namespaced: dict[str, tuple[str, str]] | None = None, keep: Callable[[dict], None] | None = None):
         super().__init__(response_id, model, tokenizer)
         self.output = output
         self.echo = echo                # the request fields every response object repeats
+        self._keep = keep
         self.items = OutputItems(namespaced)
         self._sequence = 0
         self._failed = False
@@ -162,6 +165,13 @@ class ResponsesFormat(WireFormat):
             body |= {"output": self.items.output(_item_status(status)), "usage": self._usage(last)}
         if status == "completed":
             body["completed_at"] = int(time.time())
+        return body
+
+    def _final(self, status: str, last: Delta | None = None, error: dict | None = None) -> dict:
+        """The finished response object, kept where the request asked."""
+        body = self._response(status, last, error)
+        if self._keep is not None:
+            self._keep(body)
         return body
 
     def _usage(self, last: Delta) -> dict:
@@ -178,7 +188,7 @@ class ResponsesFormat(WireFormat):
         status = _status(total.finish_reason)
         self.items.add(self.output.feed(total.text, final=True))
         self.items.close(_item_status(status))
-        return self._response(status, total)
+        return self._final(status, total)
 
     # ---- streaming
     def _event(self, payload: dict) -> bytes:
@@ -204,12 +214,12 @@ class ResponsesFormat(WireFormat):
                                                     "message": "the request was cancelled"}
         events = self.items.close(_item_status(status))
         events.append({"type": _TERMINAL.get(status, "response.failed"),
-                       "response": self._response(status, last[0], error)})
+                       "response": self._final(status, last[0], error)})
         return [self._event(e) for e in events]
 
     def error_event(self, error) -> bytes:
         self._failed = True
-        failed = self._response("failed", error={"code": "server_error", "message": error.message})
+        failed = self._final("failed", error={"code": "server_error", "message": error.message})
         return (self._event({"type": "error", "code": error.code, "message": error.message,
                              "param": error.param})
                 + self._event({"type": "response.failed", "response": failed}))

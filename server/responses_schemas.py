@@ -1,20 +1,22 @@
-"""The request body of OpenAI's Responses API (pydantic), stateless subset, and its translation to
-what the chat core reads: chat-template messages from `instructions` + `input`, OpenAI chat tools
-and tool_choice, the output grammar from `text.format`, and the request fields a response echoes."""
+"""The request body of OpenAI's Responses API (pydantic) and its translation to what the chat core
+reads: chat-template messages from `instructions`, the conversation a `previous_response_id` ends
+and `input`; OpenAI chat tools and tool_choice; the output grammar from `text.format`; the request
+fields a response echoes, and its input items as GET /v1/responses/{id}/input_items lists them."""
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
 from engine.request import SamplingParams
 from server.errors import APIError
 from server.schemas import (ChatMessage, FunctionCall, NamedFunction, NamedToolChoice, SamplingBody,
                                    ToolCall, unsupported)
 
-_STATELESS = ("this server is stateless and keeps no responses; send the whole conversation in "
-              "`input` (earlier outputs as message and function_call items)")
+_NO_CONVERSATIONS = ("this server keeps no conversation objects; continue a response with "
+                     "previous_response_id, or send the whole conversation in `input`")
 _TOOL_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 log = logging.getLogger("pagedserve.server")
 _skipped_logged: set[str] = set()
@@ -87,6 +89,13 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")]
                       | Annotated[FunctionCallItem, Tag("function_call")]
                       | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
                       | Annotated[OtherItem, Tag("other")], Discriminator(_item_kind)]
+_ITEMS = TypeAdapter(list[InputItem])
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def as_items(output: list[dict]) -> list:
+    """A response's output items as input items, to continue its conversation from."""
+    return _ITEMS.validate_python(output)
 
 
 class FunctionTool(BaseModel):
@@ -146,13 +155,11 @@ class ResponsesRequest(SamplingBody):
     prompt: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
-        "previous_response_id": _STATELESS, "conversation": _STATELESS,
+        "conversation": _NO_CONVERSATIONS,
         "prompt": "stored prompt templates are an OpenAI dashboard feature; send `instructions` and `input`"}
 
     def check_fields(self) -> None:
         super().check_fields()
-        if self.store:
-            raise unsupported("store", f"{_STATELESS}; send store=false or leave it out")
         if self.background:
             raise unsupported("background", "the answer is made while the request waits (or streams); "
                                             "send background=false or leave it out")
@@ -218,13 +225,31 @@ class ResponsesRequest(SamplingBody):
                            param="tool_choice.name", code="invalid_value")
         return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
 
-    def messages(self) -> list[dict]:
-        """`instructions` and `input` as chat-template messages."""
+    def items(self) -> list:
+        """`input` as a list of items."""
+        return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+
+    def input_items(self) -> list[dict]:
+        """The request's own input items as the API lists them: each with an id, texts as parts."""
+        out = []
+        for item in self.items():
+            shown = item.model_dump(exclude_none=True)
+            if isinstance(item, MessageItem):
+                if isinstance(item.content, str):
+                    part = "output_text" if item.role == "assistant" else "input_text"
+                    shown["content"] = [{"type": part, "text": item.content}]
+                shown.setdefault("status", "completed")
+            shown.setdefault("id", f"{_ID_PREFIX.get(item.type, 'item')}_{uuid.uuid4().hex}")
+            out.append(shown)
+        return out
+
+    def messages(self, earlier: list = ()) -> list[dict]:
+        """`instructions`, then the `earlier` items (the conversation previous_response_id ends; its
+        instructions are not carried over), then `input`, as chat-template messages."""
         chat = [] if self.instructions is None else [ChatMessage(role="system", content=self.instructions)]
-        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         calls: set[str] = set()
-        for i, item in enumerate(items):
-            where = f"input.{i}"
+        numbered = [("previous_response_id", item) for item in earlier]
+        for where, item in numbered + [(f"input.{i}", item) for i, item in enumerate(self.items())]:
             if isinstance(item, MessageItem):
                 chat.append(ChatMessage(role=item.role, content=_text(item.content, f"{where}.content")))
             elif isinstance(item, FunctionCallItem):
@@ -241,17 +266,17 @@ class ResponsesRequest(SamplingBody):
             elif item.type != "reasoning":
                 raise unsupported(f"{where}.type",
                                   f"input items of type {item.type!r}; this server reads message, "
-                                  "function_call, function_call_output and reasoning items, and is "
-                                  "stateless: send the items themselves, not references to them")
+                                  "function_call, function_call_output and reasoning items: send the "
+                                  "items themselves, not references to them")
         return [m.for_template("input") for m in chat]    # texts are strings by now
 
-    def echoed(self, params: SamplingParams) -> dict:
+    def echoed(self, params: SamplingParams, stored: bool) -> dict:
         """The request fields a response object repeats, sampling as it was applied."""
         fmt = (self.text.format if self.text is not None else None) or TextFormat(type="text")
         choice = self.tool_choice or "auto"
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
-                "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": None,
-                "temperature": params.temperature, "top_p": params.top_p, "store": False,
+                "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": self.previous_response_id,
+                "temperature": params.temperature, "top_p": params.top_p, "store": stored,
                 "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
                 "tool_choice": choice if isinstance(choice, str) else choice.model_dump(exclude_none=True),
                 "tools": [t.model_dump(by_alias=True) for t in self.tools or ()], "truncation": "disabled",

@@ -28,7 +28,8 @@ SPEC_ENGINE = dict(model="qwen2.5-coder-1.5b", dtype="auto", device="auto", max_
 SPEC_SERVER = dict(host="127.0.0.1", port=8000, api_key="", max_body_bytes=1048576, admin_key="",
                    served_model_name=(),
                    tool_call_parser="auto", reasoning_parser="auto", sse_keepalive_s=1.0,
-                   header_timeout_s=10.0, request_timeout_s=0.0, allowed_origins=())
+                   header_timeout_s=10.0, request_timeout_s=0.0, responses_store=256,
+                   allowed_origins=())
 
 
 def test_defaults_match_the_spec():
