@@ -5,7 +5,9 @@ Each distinct grammar is compiled once and kept; a request gets a copy of the co
 which costs microseconds. Front ends compile before they submit, on a thread of their own (the
 server uses a worker thread), so the step thread only asks matchers for token masks and feeds them
 the drawn tokens. The mask also decides when an end-of-sequence token may be drawn: only where the
-grammar is complete.
+grammar is complete. A grammar with a `trigger` is lazy: the reply is free until the model writes
+that special token, and the grammar holds only what follows it (llama.cpp's lazy grammars; the
+server makes tool calls well-formed in tool_choice auto this way).
 """
 from __future__ import annotations
 
@@ -39,12 +41,17 @@ class Grammar:
     # a thinking model's reply may begin with reasoning that the grammar leaves free: "" = no,
     # "inside" = the prompt opened a <think> block, "optional" = the model may open one itself
     reasoning: str = ""
+    # a special token (its text) after which the grammar applies, each time the model writes it;
+    # free text around: "" = the grammar holds the whole reply
+    trigger: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise GrammarError(f"grammar kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if self.reasoning not in REASONING:
             raise GrammarError(f"reasoning {self.reasoning!r} is not one of {REASONING}")
+        if self.trigger and self.reasoning:
+            raise GrammarError("a grammar with a trigger leaves the reasoning free already; give one of them")
 
     @classmethod
     def json_schema(cls, schema: dict | bool | str) -> "Grammar":
@@ -76,6 +83,7 @@ class Matcher:
     """One request's position in its grammar, advanced by every token the request draws."""
 
     __slots__ = ("_m",)
+    dormant = False     # (LazyMatcher) no grammar holds the next draws
 
     def __init__(self, llmatcher) -> None:
         self._m = llmatcher
@@ -98,6 +106,45 @@ class Matcher:
         return self._m.get_error()
 
 
+class LazyMatcher:
+    """A lazy grammar's state: no mask until the trigger token is drawn, then the grammar's, until
+    its match is complete and the reply is free again. Never `done`: free text may follow."""
+
+    __slots__ = ("_compiled", "_trigger", "_active")
+    done = False
+
+    def __init__(self, compiled, trigger: int) -> None:
+        self._compiled = compiled
+        self._trigger = trigger
+        self._active: Matcher | None = None
+
+    @property
+    def dormant(self) -> bool:
+        return self._active is None
+
+    def before_trigger(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        """`tokens` up to the trigger: draws past it would have been made without the grammar."""
+        return tokens[:tokens.index(self._trigger)] if self._trigger in tokens else tokens
+
+    def mask(self) -> bytes | None:
+        return None if self._active is None else self._active.mask()
+
+    def accept(self, token: int) -> bool:
+        if self._active is None:
+            if token == self._trigger:
+                self._active = Matcher(self._compiled.deep_copy())
+            return True
+        if not self._active.accept(token):
+            return False
+        if self._active.done:
+            self._active = None
+        return True
+
+    @property
+    def error(self) -> str:
+        return "" if self._active is None else self._active.error
+
+
 class GrammarCompiler:
     """Compiles grammars for one tokenizer and keeps the latest `cache_size` of them. Thread-safe.
     Building its llguidance tokenizer holds the GIL (0.9 s for a 150k vocabulary), which would
@@ -117,10 +164,13 @@ class GrammarCompiler:
         """`text` in a Lark grammar: a quoted string, or the token itself when the tokenizer has
         `text` as one special token (llguidance matches those only by token, e.g. Qwen's
         `<tool_call>`, which the model writes as one token)."""
+        token = self.special_token(text)
+        return json.dumps(text) if token is None else f"<[{token}]>"
+
+    def special_token(self, text: str) -> int | None:
+        """The id of `text` where the tokenizer has it as one special token."""
         ids = self._tokenizer.tokenize_str(text, parse_special=True)
-        if len(ids) == 1 and self._tokenizer.is_special_token(ids[0]):
-            return f"<[{ids[0]}]>"
-        return json.dumps(text)
+        return ids[0] if len(ids) == 1 and self._tokenizer.is_special_token(ids[0]) else None
 
     def compile(self, grammar: Grammar):
         """The compiled matcher for `grammar` (cached); GrammarError names what is wrong."""
@@ -130,6 +180,8 @@ class GrammarCompiler:
                 return self._cache[grammar]
         import llguidance
 
+        if grammar.trigger and self.special_token(grammar.trigger) is None:
+            raise GrammarError(f"trigger {grammar.trigger!r} is not one special token of this tokenizer")
         source = grammar.llguidance()
         if grammar.reasoning:
             source = self._after_reasoning(source, grammar.reasoning)
@@ -161,6 +213,9 @@ class GrammarCompiler:
         return json.dumps({"grammars": [{"lark_grammar": "\n".join(["%llguidance {}", top, *rules])},
                                         *grammars]})
 
-    def matcher(self, grammar: Grammar) -> Matcher:
+    def matcher(self, grammar: Grammar) -> Matcher | LazyMatcher:
         """A fresh matcher at the start of `grammar`."""
-        return Matcher(self.compile(grammar).deep_copy())
+        compiled = self.compile(grammar)
+        if grammar.trigger:
+            return LazyMatcher(compiled, self.special_token(grammar.trigger))
+        return Matcher(compiled.deep_copy())

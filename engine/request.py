@@ -127,7 +127,7 @@ class Request:
     max_tokens: int = 0                       # params.max_tokens clamped to the context and pool
     pause_requested: bool = False             # paused by the consumer; applies once it decodes
     client: str = ""                          # who asked: a console session, an HTTP peer
-    matcher: object | None = None             # engine.grammar.Matcher when params.grammar is set
+    matcher: object | None = None             # engine.grammar's (Lazy)Matcher when params.grammar is set
     after: str | None = None                  # admitted once this request's prompt is computed, so
                                               # it starts from that prompt's cached blocks (n > 1)
 

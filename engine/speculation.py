@@ -11,7 +11,10 @@ with x removed and renormalised (the correction); a seeded row's draws depend on
 index) only, so its output is the same with or without speculation.
 
 Requests whose next draws depend on state the scheduler would have to roll back get no proposals:
-penalties (running token counts), grammars (the matcher) and min_tokens bans (per position). Hybrid
+penalties (running token counts), grammars (the matcher) and min_tokens bans (per position). A lazy
+grammar that has not begun is no such state while no proposal holds its trigger: proposals are cut
+before it, so a trigger can only be a run's last draw (the engine's draft model, whose proposals
+the scheduler does not see, makes none for such requests). Hybrid
 models' recurrent state rolls back in the engine: it records the state after each of a verify row's
 tokens and keeps the one after the accepted run, which `accepted_run` decides on both sides
 (engine/state_rollback.py).
@@ -81,11 +84,11 @@ class Speculator:
         """The engine's draft model makes the proposals (and reads each fresh row's cached prefix)."""
         return isinstance(self.proposer, DraftProposer)
 
-    @staticmethod
-    def eligible(req: Request) -> bool:
+    def eligible(self, req: Request) -> bool:
         """No state of the request would have to roll back (see the module docstring)."""
         p = req.params
-        return not p.penalized and req.matcher is None and len(req.output_token_ids) >= p.min_tokens
+        free = req.matcher is None or (req.matcher.dormant and not self.engine_drafts)
+        return not p.penalized and free and len(req.output_token_ids) >= p.min_tokens
 
     def plan(self, decoders: list[Request], budget: int,
              cover: Callable[[Request, int], int]) -> dict[str, Proposal]:
@@ -119,7 +122,8 @@ class Speculator:
             pace.k = 1
         # the last draw of a run is always kept: proposals past max_tokens could only be wasted
         k = min(pace.k, budget, req.max_tokens - len(req.output_token_ids) - 1)
-        return self.proposer.propose(req, k) if k > 0 else ()
+        proposal = self.proposer.propose(req, k) if k > 0 else ()
+        return req.matcher.before_trigger(proposal) if req.matcher is not None else proposal
 
     def accept(self, row: PlanRow, out: RowOutput) -> list[RowOutput | Draw]:
         """The draws `row` keeps; counts them and adapts the request's proposal length."""

@@ -12,7 +12,7 @@ from server.engine_host import EngineHost
 from server.errors import APIError
 from server.reasoning import ReasoningParser, reply_reasoning
 from server.tool_parsers import PARSERS
-from server.tools import ToolRequest, call_grammar, lenient, parameters_schema, renders_tools
+from server.tools import ToolRequest, call_grammar, lazy_call_grammar, lenient, parameters_schema, renders_tools
 
 _TEMPLATE_OWN = ("messages", "add_generation_prompt", "tools")
 
@@ -75,6 +75,8 @@ async def prepare_chat(host: EngineHost, messages: list[dict], tools: ToolReques
             raise APIError(400, f"tool_choice asks for a tool call, and {param} for another output "
                                 "format; give one of them", param="tool_choice", code="invalid_value")
         grammar, param = call_grammar(tool_format, tools, host.client.grammar_literal), "tool_choice"
+    elif tools is not None and grammar is None and not reasoning:   # auto: the calls it opens are well-formed
+        grammar, param = lazy_call_grammar(tool_format, tools, host.client.grammar_literal), "tools"
     if grammar is not None:
         if reasoning:   # the reasoning stays free; the grammar holds the answer after it
             grammar = Grammar(grammar.kind, grammar.source, reasoning)

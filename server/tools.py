@@ -1,6 +1,7 @@
 """Tools on the way in: which tools a request offers and must call, whether the model's chat template
-can show them, and the grammar that makes a reply a well-formed call (`tool_choice` required or a
-named function) in the model's own call format (server/tool_parsers.py reads it back)."""
+can show them, and the grammars that make a reply a well-formed call (`tool_choice` required or a
+named function) or each call a reply opens well-formed (auto), in the model's own call format
+(server/tool_parsers.py reads it back)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 from engine.grammar import JSON_OPTIONS, Grammar
 from server.errors import APIError
+from server.tool_call_parser import CALL_END, CALL_START
 
 _PROBE = "pagedserve_probe_tool"
 _rendering_cache: dict[str, bool] = {}
@@ -83,28 +85,43 @@ def call_grammar(fmt: str, request: ToolRequest, literal: Callable[[str], str]) 
     """A grammar whose every match is one call (or, with parallel calls, several) of a tool in
     `request.must_call`, with arguments that validate against the tool's schema. `literal(text)`
     writes a tag in the grammar (GrammarCompiler.literal: a string, or the tag's own token)."""
-    tools = [t for t in request.tools if t["function"]["name"] in request.must_call]
     # a model that writes the newline it would put between calls may still end after it
     repeat = ' ("\\n" call)* "\\n"?' if request.parallel else ' "\\n"?'
-    open_, close = literal("<tool_call>"), literal("</tool_call>")
+    body = _call_body(fmt, [t for t in request.tools if t["function"]["name"] in request.must_call], literal)
+    if body is None:
+        raise APIError(400, f"tool_choice needs a known tool-call format to enforce the call; this model's is "
+                            f"{fmt!r} (set --tool-call-parser)", param="tool_choice", code="unsupported_value")
+    return Grammar("lark", "\n".join(["%llguidance {}", f"start: call{repeat}",
+                                      f'call: {literal(CALL_START)} body', *body]))
+
+
+def lazy_call_grammar(fmt: str, request: ToolRequest, literal: Callable[[str], str]) -> Grammar | None:
+    """For tool_choice auto: the reply stays free, and each call the model opens with the call tag is
+    held to a well-formed call of an offered tool. None where the format or the tokenizer cannot say
+    (the tag must be one special token, as Qwen's is)."""
+    body = _call_body(fmt, list(request.tools), literal)
+    if body is None or not literal(CALL_START).startswith("<["):
+        return None
+    return Grammar("lark", "\n".join(["%llguidance {}", "start: body", *body]), trigger=CALL_START)
+
+
+def _call_body(fmt: str, tools: list[dict], literal: Callable[[str], str]) -> list[str] | None:
+    """Lark rules: `body`, a call of one of `tools` after its opening tag, up to its closing tag;
+    None for a format without calls to enforce."""
+    close = literal(CALL_END)
     if fmt == "hermes":
-        body = {"anyOf": [{"type": "object",
-                           "properties": {"name": {"const": t["function"]["name"]},
-                                          "arguments": parameters_schema(t)},
-                           "required": ["name", "arguments"], "additionalProperties": False}
-                          for t in tools], "x-guidance": TOOL_JSON_OPTIONS}
-        lark = [f"start: call{repeat}",
-                f'call: {open_} "\\n" %json {json.dumps(body)} "\\n" {close}']
-    elif fmt == "qwen3_coder":
-        lark = [f"start: call{repeat}",
-                'call: ' + open_ + ' "\\n" (' + " | ".join(f"fn{i}" for i in range(len(tools))) + ') ' + close]
+        schema = {"anyOf": [{"type": "object",
+                             "properties": {"name": {"const": t["function"]["name"]},
+                                            "arguments": parameters_schema(t)},
+                             "required": ["name", "arguments"], "additionalProperties": False}
+                            for t in tools], "x-guidance": TOOL_JSON_OPTIONS}
+        return [f'body: "\\n" %json {json.dumps(schema)} "\\n" {close}']
+    if fmt == "qwen3_coder":
+        rules = ['body: "\\n" (' + " | ".join(f"fn{i}" for i in range(len(tools))) + f") {close}"]
         for i, tool in enumerate(tools):
-            lark += _xml_function(f"fn{i}", tool)
-    else:
-        raise APIError(400, f"tool_choice needs a known tool-call format to enforce the call; this "
-                            f"model's is {fmt!r} (set --tool-call-parser)", param="tool_choice",
-                       code="unsupported_value")
-    return Grammar("lark", "%llguidance {}\n" + "\n".join(lark))
+            rules += _xml_function(f"fn{i}", tool)
+        return rules
+    return None
 
 
 def _xml_function(rule: str, tool: dict) -> list[str]:

@@ -180,6 +180,24 @@ def test_auto_mode_parses_what_the_model_writes_and_returns_a_broken_call_as_tex
     assert "{name: get_weather}" in out.choices[0].message.content
 
 
+def test_auto_mode_holds_each_call_the_model_opens_to_a_well_formed_call(hermes):
+    """In tool_choice auto the reply is free, and a call the model opens (pushed here by logit_bias on
+    the call tag, cut by `stop` at its end tag) is held by a lazy grammar to a call of an offered tool
+    whose arguments validate: after the tag, a random model writes anything otherwise."""
+    from pathlib import Path
+    model = Path(hermes.proc.args[hermes.proc.args.index("--model") + 1])
+    client = _client(hermes)
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, temperature=1.0, max_tokens=200, stop=["</tool_call>"],
+              logit_bias={str(tag_id(model, "<tool_call>")): 100}, extra_body=SAMPLED)
+    for seed in range(4):
+        whole = client.chat.completions.create(**kw, seed=seed)
+        ((name, arguments),) = _calls(whole.choices[0].message)
+        jsonschema.validate(arguments, SCHEMAS[name])
+    final, chunks = _stream(client, **kw, seed=seed)
+    assert _calls(final.choices[0].message) == _calls(whole.choices[0].message)
+    _no_raw_tags(chunks)
+
+
 # ---- structured outputs, logit_bias, n ------------------------------------------------------------
 def test_response_formats_and_vllm_style_constraints(hermes):
     client = _client(hermes)

@@ -13,6 +13,7 @@ from fake_engine import OracleProposer, drain, make_request, make_scheduler, tok
 
 from engine.contracts import (ContractError, Draw, PlanRow, RowKind, RowOutput, StepPlan, StepResult,
                               check_plan, check_result)
+from engine.grammar import LazyMatcher
 from engine.loop import EngineLoop
 from engine.ngram import NgramIndex, NgramProposer
 from engine.plan_ledger import PlanLedger
@@ -144,7 +145,38 @@ def test_the_proposal_length_adapts_and_turns_off_with_backoff():
 def test_requests_whose_draws_depend_on_rolled_back_state_get_no_proposals(params):
     req = make_request("a", 4)
     req.params = params
-    assert not Speculator.eligible(req)
+    assert not _oracle().eligible(req)
+
+
+class _Fixed:
+    """Proposes the same tokens every time."""
+    def propose(self, req, k):
+        return (3, 7, 9, 11)[:k]
+
+    def forget(self, request_id):
+        pass
+
+
+class _Grammar:
+    """An llguidance matcher's surface: accepts anything, never complete."""
+    def deep_copy(self):
+        return self
+
+    def consume_token(self, token):
+        return True
+
+    def is_stopped(self):
+        return False
+
+
+def test_a_lazy_grammar_gets_proposals_cut_before_its_trigger_until_it_begins():
+    spec = Speculator(_Fixed(), 4)
+    req = make_request("a", 4)
+    req.matcher = LazyMatcher(_Grammar(), 7)
+    assert spec.eligible(req) and spec._draft(req, 99) == (3,)        # a trigger is only ever a run's last draw
+    assert not Speculator(DraftProposer(), 4).eligible(req)            # draft-model proposals are not seen
+    assert req.matcher.accept(7) and not req.matcher.dormant
+    assert not spec.eligible(req)
 
 
 # ---- verify rows in the contract and the ledger --------------------------------------------------

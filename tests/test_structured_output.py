@@ -166,3 +166,23 @@ def test_logit_bias_pushes_and_bans_tokens(llm):
     assert SamplingParams(logit_bias={5: 1e9, 6: -1e9}).logit_bias == ((5, 100.0), (6, -100.0))
     out = llm.generate(["bias me"], SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))[0]
     assert out.finish_reason is FinishReason.ERROR and "logit_bias names token id 1000000" in out.error
+
+
+def test_a_lazy_grammar_holds_only_what_follows_each_trigger(model_dir):
+    tokenizer = load_tokenizer(model_dir)
+    compiler = GrammarCompiler(tokenizer.to_json(), hf_model(model_dir).config.vocab_size, (0,))
+    (start,) = tokenizer.encode("<|im_start|>")
+    matcher = compiler.matcher(Grammar("lark", 'start: " ab"', trigger="<|im_start|>"))
+    free, held = tokenizer.encode("x y"), tokenizer.encode(" ab")
+    for _ in range(2):                          # free, the trigger, the grammar's match, and free again
+        assert all(matcher.accept(t) and matcher.mask() is None for t in free)
+        assert matcher.accept(start) and not matcher.dormant
+        bits = torch.tensor(list(matcher.mask()), dtype=torch.uint8)
+        allowed = ((bits[:, None] >> torch.arange(8)) & 1).flatten().bool()
+        assert allowed[held[0]] and not allowed[free[0]] and not allowed[start]
+        assert all(matcher.accept(t) for t in held) and matcher.dormant and not matcher.done
+    assert matcher.accept(start) and not matcher.accept(free[0]) and matcher.error
+    with pytest.raises(GrammarError, match="special token"):
+        compiler.compile(Grammar("lark", 'start: "a"', trigger="x y"))
+    with pytest.raises(GrammarError, match="trigger"):
+        Grammar("lark", 'start: "a"', trigger="<|im_start|>", reasoning="inside")
