@@ -15,6 +15,7 @@ from tiny_models import hf_hybrid_model, hf_model
 from engine import LLM, SamplingParams
 from engine.builder import build_speculator
 from engine.config import ConfigError, EngineConfig
+from engine.grammar import Grammar
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 # repeated runs of ids: the random models fall into loops of their own on these, which n-gram
@@ -165,6 +166,25 @@ def test_penalised_requests_get_no_proposals(model_path):
     plans = record_plans(on.engine)
     on.generate([REPEATED], SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.2))
     assert all(r.num_draft == 0 for p, _ in plans for r in p.rows) and _verified(on) == (0, 0)
+
+
+def test_a_lazy_grammar_keeps_greedy_output_and_its_proposals_stop_before_the_trigger(tiny_checkpoint,
+                                                                                   repeating_hybrid):
+    """A lazy grammar's requests still get n-gram proposals, cut before the trigger: after it the
+    grammar holds the draws, so output is the same with speculation on and off."""
+    path = _path("qwen3", tiny_checkpoint, repeating_hybrid)
+    off, on = _llm(path), _llm(path, speculative="ngram")
+    trigger = on.tokenizer.encode("<|im_start|>")[0]
+    # a bias that makes the random model write the trigger now and then, and loop between
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logit_bias={trigger: 4.0},
+                            grammar=Grammar("lark", 'start: " ab"', trigger="<|im_start|>"))
+    prompts = [[5, 6, trigger, 7] * 8, [9, trigger] * 12]
+    plans = record_plans(on.engine)
+    outs = _ids(on.generate(prompts, params))
+    assert outs == _ids(off.generate(prompts, params))
+    assert any(trigger in ids for ids in outs)          # the grammar took hold
+    rows = [r for p, _ in plans for r in p.rows if r.num_draft]
+    assert rows and all(trigger not in r.token_ids[1:] for r in rows) and _verified(on)[1] > 0
 
 
 def test_what_speculation_refuses():
