@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import uuid
-
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request
