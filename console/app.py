@@ -244,7 +244,8 @@ class ConsoleApp(App):
                 del self.replies[sid]
                 rate, ttft = buffer.rates()
                 reason = final.finish_reason if final.error is None else f"error: {final.error}"
-                reply.stats = ReplyStats(max(buffer.tokens, final.completion_tokens), rate, ttft, reason)
+                reply.stats = ReplyStats(max(buffer.tokens, final.completion_tokens), rate, ttft, reason,
+                                         final.cached_tokens)
                 if final.error is not None:
                     self.notify(final.error, severity="error")
                 self.store.save(self.sessions[sid])

@@ -30,6 +30,7 @@ class ReplyDelta:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0           # total so far (0 when the transport does not say)
+    cached_tokens: int = 0               # of prompt_tokens, those the prefix cache held
 
 
 class ReplyStream(Protocol):
@@ -84,7 +85,7 @@ class _EngineReply:
     def __iter__(self) -> Iterator[ReplyDelta]:
         for d in self._handle:
             reason = None if d.finish_reason is None else d.finish_reason.value
-            yield ReplyDelta(d.text, reason, d.error, d.prompt_tokens, d.completion_tokens)
+            yield ReplyDelta(d.text, reason, d.error, d.prompt_tokens, d.completion_tokens, d.cached_tokens)
 
     def cancel(self) -> None:
         self._handle.cancel()
@@ -181,7 +182,8 @@ class _HttpReply:
             self._owner.cancel_quietly(self.id)   # the id may have arrived after cancel() ran
             finish = "cancelled"
         yield ReplyDelta(finish_reason=finish or "stop", prompt_tokens=usage.get("prompt_tokens", 0),
-                         completion_tokens=usage.get("completion_tokens", count))
+                         completion_tokens=usage.get("completion_tokens", count),
+                         cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
     def cancel(self) -> None:
         self._cancelled.set()

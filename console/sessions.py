@@ -22,10 +22,12 @@ class ReplyStats:
     tokens_per_s: float = 0.0
     ttft_s: float | None = None
     finish_reason: str = ""
+    cached: int = 0                   # prompt tokens the prefix cache held (earlier turns, mostly)
 
     def line(self) -> str:
         ttft = "-" if self.ttft_s is None else f"{self.ttft_s * 1000:.0f} ms"
-        return (f"{self.tokens} tokens · {self.tokens_per_s:.1f} tok/s · first token {ttft}"
+        cached = f" · {self.cached:,} prompt tokens cached" if self.cached else ""
+        return (f"{self.tokens} tokens · {self.tokens_per_s:.1f} tok/s · first token {ttft}{cached}"
                 f" · {self.finish_reason}")
 
 

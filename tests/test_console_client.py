@@ -46,7 +46,8 @@ class FakeServer:
                                              "kv_pool_tokens": 65664, "kv_pool_bytes": 3 * 2**30 // 2,
                                              "kv_cache_dtype": "bfloat16"})
         if route == ("POST", "/v1/chat/completions"):
-            usage = {"id": "req-7", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+            usage = {"id": "req-7", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2,
+                                                             "prompt_tokens_details": {"cached_tokens": 4}}}
             return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=sse(
                 chunk("req-7", ""), chunk("req-7", "Hel"), chunk("req-7", "lo"),
                 chunk("req-7", finish="length"), usage, "[DONE]"))
@@ -75,7 +76,7 @@ def test_http_client_streams_a_reply_with_the_engine_id_and_usage():
     reply = client.stream([{"role": "user", "content": "hi"}], temperature=0.0, max_tokens=2, client="s1")
     deltas = list(reply)
     assert "".join(d.text for d in deltas) == "Hello" and reply.id == "req-7"
-    assert deltas[-1] == ReplyDelta(finish_reason="length", prompt_tokens=5, completion_tokens=2)
+    assert deltas[-1] == ReplyDelta(finish_reason="length", prompt_tokens=5, completion_tokens=2, cached_tokens=4)
     assert server.health_calls == 2                      # it waited for the server's model to load
     body = json.loads(server.seen[-1][2])
     assert "model" not in body                           # the server's own model
@@ -195,5 +196,7 @@ def test_sessions_round_trip_through_json_and_export_to_markdown(tmp_path):
     assert path.read_text() == (
         "# Code / review\n\n*System:* Be terse.\n\n## You\n\nhi\n\n## Assistant\n\n```py\nx = 1\n```\n\n"
         "*4 tokens · 12.5 tok/s · first token 250 ms · stop*\n")
+    assert ReplyStats(4, 12.5, 0.25, "stop", 1536).line() == (
+        "4 tokens · 12.5 tok/s · first token 250 ms · 1,536 prompt tokens cached · stop")
     store.delete("abc")
     assert [s.id for s in store.load_all()] == ["def"]

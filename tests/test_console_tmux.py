@@ -128,5 +128,6 @@ def test_chat_streams_queues_and_esc_takes_back_then_stops(tiny_checkpoint, tmp_
         turns = json.loads(saved[0].read_text())["turns"]   # what the console sent the engine
         assert [t["content"] for t in turns if t["role"] == "user"] == [FIB, "hello there"]
         assert [t["stats"]["finish_reason"] for t in turns if t["role"] == "assistant"] == ["cancelled"] * 2
+        assert turns[-1]["stats"]["cached"] > 0     # the second request began with the first one's prompt
     finally:
         subprocess.run(["tmux", "-S", str(tmux.socket), "kill-server"], capture_output=True)
