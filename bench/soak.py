@@ -30,7 +30,7 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent), str(BENCH.parent / "tests")]   # 
 
 from server_process import ServerProcess  # noqa: E402
 from soak_report import drift, problem_summary, table, windows  # noqa: E402
-from soak_workload import Outcome, draw_jobs, run_job  # noqa: E402
+from soak_workload import MODEL, Outcome, draw_jobs, run_job  # noqa: E402
 
 DRAIN_TIMEOUT_S = 300.0        # in-flight jobs after the last arrival
 IDLE_TIMEOUT_S = 60.0          # the server's table to empty after that
@@ -64,6 +64,7 @@ def start_server(args: argparse.Namespace, workdir: Path) -> ServerProcess:
         from tiny_models import make_checkpoint
         model, dtype = make_checkpoint(workdir / "tiny-qwen3", "qwen3", **TINY), "float32"
     server = ServerProcess(model, "--max-concurrency", str(args.max_concurrency), "--threads", str(args.threads),
+                           "--served-model-name", MODEL,
                            dtype=dtype, max_model_len=args.max_model_len, kv_pool_tokens=args.kv_pool_tokens,
                            workdir=workdir)
     try:
@@ -134,7 +135,9 @@ def report(outcomes: list[Outcome], rss_start: int, rss_at_ends: list[int], stat
     kinds = Counter(o.job.behaviour for o in outcomes)
     left = {k: stats[k] for k in ("blocks_used", "slots_used", "running", "waiting")}
     server_errors = sum(w.server_errors for w in rows)
-    print(f"jobs {len(outcomes)}: " + ", ".join(f"{kind} {n}" for kind, n in kinds.most_common()))
+    routes = Counter(o.job.route for o in outcomes)
+    print(f"jobs {len(outcomes)}: " + ", ".join(f"{kind} {n}" for kind, n in kinds.most_common())
+          + "; " + ", ".join(f"{route} {n}" for route, n in routes.most_common()))
     print(f"server RSS {rss_start / 2**20:.0f} MiB at start, {rss_at_ends[-1] / 2**20:.0f} MiB at the end; "
           f"{_load()}")
     print(f"after the drain: {left}; preemptions {stats['preemptions_total']}, steps {stats['steps_total']}; "

@@ -2,10 +2,14 @@
 and reply lengths, chat or completions, streamed or not, and a behaviour), and one coroutine that
 carries a job out over HTTP and says how it went.
 
+Routes: OpenAI chat and text completions, and a share of normal jobs on the other doors: a
+two-turn Responses conversation (the second turn by previous_response_id, so the server's kept
+responses churn), Anthropic messages and Ollama chat, each checked for its own way of ending.
+
 Behaviours: most jobs are `normal`; 10 % hang up at a random point (`disconnect`), 5 % are cancelled
 with DELETE /v1/requests/{id} (`cancel`), 5 % read their stream slowly (`slow`) and 5 % are bad
-requests that must get a 4xx (`bad`). Only normal streamed jobs are timed (TTFT, ITL): they ask for
-logprobs, so every token shows up in its chunk even when its text is empty.
+requests that must get a 4xx (`bad`). Only normal streamed jobs on the OpenAI routes are timed
+(TTFT, ITL): they ask for logprobs, so every token shows up in its chunk even when its text is empty.
 
 A cancelled request may end as finish_reason "cancelled" or as the server's answer to an operator's
 cancel (503, or an error event, with code "cancelled"); that answer is expected, so it is kept out of
@@ -25,6 +29,9 @@ import httpx
 from loadgen import StreamTrace
 
 BEHAVIOURS = (("normal", 0.75), ("disconnect", 0.10), ("cancel", 0.05), ("slow", 0.05), ("bad", 0.05))
+ROUTES = (("chat", 0.35), ("completions", 0.35), ("responses", 0.1), ("messages", 0.1), ("ollama", 0.1))
+DOORS = ("responses", "messages", "ollama")   # normal jobs only; the model is named MODEL
+MODEL = "soak"
 WORDS = ("the quick brown fox jumps over lazy dog paged cache keeps keys values every request fixed size "
          "blocks many users share one model def generate prompt tokens step logits append return for sum "
          "Der schnelle braune Fuchs Größere Modelle 敏捷的 棕色 狐狸 Numbers 0 1 2 42 3.14 🙂 🚀 →").split()
@@ -46,7 +53,7 @@ FINISHED = ("length", "stop")
 class Job:
     n: int
     at_s: float              # seconds after the run's start
-    route: str               # "chat" or "completions"
+    route: str               # ROUTES
     stream: bool
     prompt: str
     max_tokens: int
@@ -70,8 +77,10 @@ def draw_jobs(seed: int, rate_per_s: float, duration_s: float, max_jobs: int) ->
         stream = behaviour == "slow" or rng.random() < 0.6
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 300)))
         max_tokens = int(2 ** rng.uniform(0, 8))                     # 1 to 256, log-uniform
-        jobs.append(Job(len(jobs), at, rng.choice(("chat", "completions")), stream, prompt, max_tokens,
-                        behaviour, rng.random()))
+        route = rng.choices([r for r, _ in ROUTES], [w for _, w in ROUTES])[0]
+        if route in DOORS and behaviour != "normal":
+            route = rng.choice(("chat", "completions"))
+        jobs.append(Job(len(jobs), at, route, stream, prompt, max_tokens, behaviour, rng.random()))
         at += rng.expovariate(rate_per_s)
     return jobs
 
@@ -94,6 +103,8 @@ async def run_job(client: httpx.AsyncClient, job: Job, start: float) -> Outcome:
     try:
         if job.behaviour == "bad":
             await _bad(client, job, out)
+        elif job.route in DOORS:
+            await _door(client, job, out)
         elif job.stream:
             await _streamed(client, job, out)
         else:
@@ -162,16 +173,22 @@ async def _streamed(client: httpx.AsyncClient, job: Job, out: Outcome) -> None:
         await _read_events(client, job, out, r)
 
 
-async def sse_data(r: httpx.Response) -> AsyncIterator[str]:
-    """The `data:` payloads of an event stream, split only where SSE ends lines (LF, CR LF). httpx's
-    aiter_lines also splits at U+0085, U+2028 and U+2029, which JSON text may hold unescaped (a
-    random model's reply does, now and then)."""
+async def stream_lines(r: httpx.Response) -> AsyncIterator[bytes]:
+    """A stream's lines, split only where SSE and NDJSON end them (LF, CR LF). httpx's aiter_lines
+    also splits at U+0085, U+2028 and U+2029, which JSON text may hold unescaped (a random model's
+    reply does, now and then)."""
     buffer = b""
     async for chunk in r.aiter_bytes():
         *lines, buffer = (buffer + chunk).split(b"\n")
         for line in lines:
-            if line.startswith(b"data: "):
-                yield line[6:].rstrip(b"\r").decode()
+            yield line.rstrip(b"\r")
+
+
+async def sse_data(r: httpx.Response) -> AsyncIterator[str]:
+    """The `data:` payloads of an event stream."""
+    async for line in stream_lines(r):
+        if line.startswith(b"data: "):
+            yield line[6:].decode()
 
 
 async def _read_events(client: httpx.AsyncClient, job: Job, out: Outcome, r: httpx.Response) -> None:
@@ -216,3 +233,61 @@ def _note_chunk(out: Outcome, payload: dict) -> str | None:
         if tokens:
             out.trace.arrivals.append((time.perf_counter(), tokens))
     return choice.get("finish_reason")
+
+
+# ---- the other doors: each answer must end the way its API ends one -------------------------------
+async def _door(client: httpx.AsyncClient, job: Job, out: Outcome) -> None:
+    ask = [{"role": "user", "content": job.prompt}]
+    if job.route == "responses":
+        first = await _answer(client, job, out, "/v1/responses", {"input": ask}, stream=False)
+        if first is None:
+            return
+        # the conversation may outgrow the context: then the refusal is the right answer
+        second = await _answer(client, job, out, "/v1/responses",
+                               {"input": "more", "previous_response_id": first["id"]}, job.stream,
+                               overflow_ok=True)
+        if second is not None and (second["previous_response_id"] != first["id"]
+                                   or second["usage"]["input_tokens"] <= first["usage"]["input_tokens"]):
+            out.problem = f"the second turn did not continue the first: {second['usage']}"
+    elif job.route == "messages":
+        await _answer(client, job, out, "/v1/messages", {"model": MODEL, "messages": ask}, job.stream)
+    else:
+        await _answer(client, job, out, "/api/chat", {"model": MODEL, "messages": ask}, job.stream)
+
+
+async def _answer(client: httpx.AsyncClient, job: Job, out: Outcome, path: str, body: dict,
+                  stream: bool, overflow_ok: bool = False) -> dict | None:
+    """The final object of one request on another door (the response, the message, Ollama's last
+    line), or None after noting what went wrong."""
+    limit = {"/v1/responses": {"max_output_tokens": job.max_tokens}, "/v1/messages": {"max_tokens": job.max_tokens},
+             "/api/chat": {"options": {"num_predict": job.max_tokens, "temperature": 0.8, "seed": job.n}}}[path]
+    body = body | limit | {"stream": stream} | ({} if path == "/api/chat" else {"temperature": 0.8})
+    final = None
+    async with client.stream("POST", path, json=body) as r:
+        out.statuses.append(r.status_code)
+        if r.status_code != 200:
+            text = (await r.aread()).decode(errors="replace")
+            if not (overflow_ok and r.status_code == 400 and '"context_length_exceeded"' in text):
+                out.problem = f"{path} answered {r.status_code}: {text[:200]}"
+            return None
+        if not stream:
+            final = json.loads(await r.aread())
+        elif path == "/api/chat":
+            async for line in stream_lines(r):
+                final = json.loads(line) if line.strip() else final
+        else:
+            async for data in sse_data(r):
+                event = json.loads(data)
+                if event.get("type") in ("response.completed", "response.incomplete"):
+                    final = event["response"]
+                elif event.get("type") == "message_delta":
+                    final = {"stop_reason": event["delta"]["stop_reason"]}
+                elif event.get("type") in ("error", "response.failed"):
+                    out.problem = f"{path} stream failed: {data[:200]}"
+                    return None
+    ended = (final or {}).get("status") if path == "/v1/responses" else (final or {}).get(
+        "stop_reason" if path == "/v1/messages" else "done_reason")
+    if ended not in ("completed", "incomplete", "end_turn", "max_tokens", "stop", "length"):
+        out.problem = f"{path}{' stream' if stream else ''} ended as {ended!r}"
+        return None
+    return final
