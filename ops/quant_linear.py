@@ -6,6 +6,11 @@ xq = round-half-even(x / dx) (an all-zero block gives dx = 0, xq = 0), and per (
     sum_k w * x = dx * (scale * sum q * xq + min * sum xq)
 (int6: dx * super * sum over the two halves of sub-scale * sum (q - 32) * xq) with exact integer sums. The reference body below does this math in float64; the C++ kernel
 (ops/cpu/quant_linear.cpp) does it with AVX2 integer dot products and fp32 accumulation.
+
+Prefill-sized calls on CPUs with AMX-BF16 (bf16 x of `ops.cpu.DENSE_ROWS` rows or more) skip the activation
+rounding instead: y = x @ W_bf16.T with W_bf16 = `dequantize(torch.bfloat16)` and fp32 sums, through torch's
+GEMM on the AMX tiles (ops/cpu/quant_rows.cpp). Below that many rows a row's result never depends on the rows
+beside it, which speculative verify rows rely on.
 """
 from __future__ import annotations
 

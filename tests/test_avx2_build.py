@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the files whose paths differ between the builds: the kernels against their references, and the models
 # (dense, quantized, hybrid, speculative) against transformers or their plain runs
 SUITE = ["test_cpu_kernels.py", "test_kv_quant.py", "test_kv_cache_dtype.py", "test_quant_linear.py",
+         "test_quant_rows.py", "test_quant_dense.py",
          "test_model_equivalence.py", "test_kv_cache_fidelity.py", "test_hybrid_models.py",
          "test_hybrid_speculation.py", "test_speculation_models.py", "test_pointwise.py", "test_ops.py"]
 ENV = {**os.environ, build.MARCH_ENV: "x86-64-v3"}

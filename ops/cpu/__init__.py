@@ -8,7 +8,8 @@ PAGEDSERVE_CPU_KERNELS=0 skips the build on purpose.
 Ops with a kernel: paged_attention (decode and verify rows, and prefill rows on AVX-512 CPUs; K/V stored in
 fp32, bf16 or fp16, or q8_0 / q4_0 tiles read with integer dot products, VNNI's on AVX-512 CPUs and VPMADDWD
 on AVX2 ones; other prefill rows keep torch's SDPA),
-write_kv (converting to the cache's dtype or quantizing), rotary, quant_linear, quant_rows, rms_norm,
+write_kv (converting to the cache's dtype or quantizing), rotary, quant_linear (integer dot products; with
+AMX-BF16, prefill-sized bf16 calls multiply bf16-dequantized weights in torch's GEMM), quant_rows, rms_norm,
 add_rms_norm and silu_and_mul (these round where transformers does; only the order of the sum of squares, or
 the exp, differs, so fp32 outputs may differ from the torch body by an ulp or two).
 """
@@ -44,6 +45,11 @@ INSTRUCTION_SETS: frozenset[str] = frozenset()     # what the loaded kernels wer
 # Elsewhere longer rows stay with SDPA, whose arithmetic serves many tokens per K/V value (the kernel's, one
 # token).
 KERNEL_ROW_TOKENS = 64
+# quant_linear calls with this many bf16 x rows or more (prefill chunks) dequantize the weights to bf16 and
+# run torch's GEMM, which has AMX-BF16 tiles to run on where install() finds them (then it sets 128, about
+# where the default model's layers broke even); elsewhere every call keeps the integer kernels. Fewer rows
+# do not pay for dequantizing the whole weight, and verify rows (fewer) keep the integer kernels' bits.
+DENSE_ROWS = 2**31 - 1
 
 
 def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor,
@@ -109,6 +115,8 @@ def cpp_silu_and_mul(x: Tensor) -> Tensor:
 
 def cpp_quant_linear(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor | None, supers: Tensor | None,
                      bits: int, out_features: int) -> Tensor:
+    if x.dtype == torch.bfloat16 and x.shape[0] >= DENSE_ROWS:
+        return _lib.quant_dense_linear(x.contiguous(), qweight, scales, mins, supers, bits, out_features)
     return _lib.quant_linear(x.contiguous(), qweight, scales, mins, supers, bits, out_features)
 
 
@@ -160,7 +168,7 @@ def use_backend(backend: str) -> None:
 def install() -> bool:
     """Load the extension (building it if needed) and register its kernels; on failure log one line and
     keep the torch bodies. Returns whether the C++ kernels are in use."""
-    global _lib, INSTRUCTION_SETS, KERNEL_ROW_TOKENS
+    global _lib, INSTRUCTION_SETS, KERNEL_ROW_TOKENS, DENSE_ROWS
     if os.environ.get(ENV_SWITCH, "1") == "0":
         use_backend("torch")
         return False
@@ -176,6 +184,8 @@ def install() -> bool:
         INSTRUCTION_SETS = frozenset(filter(None, _lib.instruction_sets().split(",")))
         if "avx512" in INSTRUCTION_SETS:
             KERNEL_ROW_TOKENS = 2**31 - 1
+        if "amx_bf16" in INSTRUCTION_SETS:
+            DENSE_ROWS = 128
     use_backend("cpp")
     return True
 
