@@ -66,13 +66,26 @@ async def completions(body: CompletionRequest, request: Request):
                         include_usage=body.include_usage())
 
 
+def _model_card(host, name: str) -> dict:
+    """A served model as both SDKs read one: OpenAI's keys (object, created, owned_by) and Anthropic's
+    (type, display_name, created_at); each ignores the other's."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "type": "model",
+            "display_name": name, "created_at": "1970-01-01T00:00:00Z",
+            "max_model_len": host.info.max_model_len if host.info else None}
+
+
 @router.get("/v1/models")
 async def list_models(request: Request):
     host = host_of(request)
-    max_len = host.info.max_model_len if host.info else None
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                        "owned_by": "pagedserve", "max_model_len": max_len}
-                                       for name in host.names]}
+    return {"object": "list", "data": [_model_card(host, name) for name in host.names], "has_more": False,
+            "first_id": host.names[0], "last_id": host.names[-1]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request):
+    host = host_of(request)
+    host.check_model(model)        # 404 model_not_found, naming what is served
+    return _model_card(host, model)
 
 
 @router.post("/tokenize")

@@ -120,6 +120,13 @@ def test_claude_codes_billing_line_is_left_out_of_the_prompt(client):
         assert billed.usage.cache_read_input_tokens == (prompt - 1) // 16 * 16
 
 
+def test_the_models_list_and_retrieve_in_anthropics_shape(client):
+    assert [(m.id, m.type, m.display_name) for m in client.models.list()] == [("tiny-claude", "model", "tiny-claude")]
+    assert client.models.retrieve("tiny-claude").created_at.year == 1970
+    with pytest.raises(anthropic.NotFoundError, match="'tiny-claude'"):
+        client.models.retrieve("claude-opus-4-1")
+
+
 def test_count_tokens_is_the_engines_count(client, server):
     counted = client.messages.count_tokens(model="tiny-claude", system="Be brief.", messages=ASK)
     chat = httpx.post(server.url + "/v1/chat/completions", headers={"x-api-key": KEY}, json={

@@ -176,9 +176,14 @@ def test_client_mistakes_get_openai_errors(server, auth, model_dir, path, body, 
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_models_props_and_tokenize(server, auth, model_dir):
+def test_models_props_and_tokenize(server, auth, model_dir, oai):
     models = httpx.get(server.url + "/v1/models", headers=auth).json()
     assert [m["id"] for m in models["data"]] == [model_dir.name]     # a name, never the path
+    card = oai.models.retrieve(model_dir.name)
+    assert (card.id, card.object, card.model_extra["max_model_len"]) == (model_dir.name, "model", 256)
+    with pytest.raises(openai.NotFoundError) as refused:
+        oai.models.retrieve("gpt-4o")
+    assert refused.value.code == "model_not_found" and repr(model_dir.name) in refused.value.message
     props = httpx.get(server.url + "/props", headers=auth).json()
     assert props["architecture"] == "Qwen3ForCausalLM" and props["dtype"] == "float32"
     assert (props["max_model_len"], props["kv_pool_tokens"], props["block_size"]) == (256, 4096, 16)
