@@ -75,10 +75,10 @@ async def prepare_chat(host: EngineHost, messages: list[dict], tools: ToolReques
             raise APIError(400, f"tool_choice asks for a tool call, and {param} for another output "
                                 "format; give one of them", param="tool_choice", code="invalid_value")
         grammar, param = call_grammar(tool_format, tools, host.client.grammar_literal), "tool_choice"
-    elif tools is not None and grammar is None and not reasoning:   # auto: the calls it opens are well-formed
+    elif tools is not None and grammar is None:   # auto: the calls it opens are well-formed
         grammar, param = lazy_call_grammar(tool_format, tools, host.client.grammar_literal), "tools"
     if grammar is not None:
-        if reasoning:   # the reasoning stays free; the grammar holds the answer after it
+        if reasoning and not grammar.trigger:   # the reasoning stays free; the grammar holds the answer after it
             grammar = Grammar(grammar.kind, grammar.source, reasoning)
         await compile_grammar(host, grammar, param)
     return Chat(await asyncio.to_thread(tokenizer.encode, text), grammar, reasoning, tools, tool_format)

@@ -338,6 +338,23 @@ def test_reasoning_is_split_from_the_answer(thinking):
     jsonschema.validate(json.loads(off.choices[0].message.content), WEATHER)
 
 
+def test_auto_mode_holds_the_calls_after_the_reasoning_too(thinking):
+    """With the prompt's <think> open and tool_choice auto, the reasoning stays free and each call the
+    model opens after it is held to a well-formed call (a random model writes anything after the tag)."""
+    from pathlib import Path
+    model = Path(thinking.proc.args[thinking.proc.args.index("--model") + 1])
+    client = _client(thinking)
+    kw = dict(model="tiny-xml", messages=ASK, tools=TOOLS, temperature=1.0, max_tokens=300,
+              stop=["</tool_call>"], logit_bias=_think_end(thinking) | {str(tag_id(model, "<tool_call>")): 3})
+    reasoned_calls = 0
+    for seed in range(6):
+        message = client.chat.completions.create(**kw, seed=seed).choices[0].message
+        for name, arguments in _calls(message):
+            jsonschema.validate(arguments, SCHEMAS[name])
+            reasoned_calls += bool(message.reasoning_content)
+    assert reasoned_calls
+
+
 def test_xml_tool_calls_with_and_without_reasoning(thinking):
     client = _client(thinking)
     kw = dict(model="tiny-xml", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0,
