@@ -13,6 +13,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #include "bf16.h"
 
@@ -201,8 +202,12 @@ at::Tensor quant_dense_linear(const at::Tensor& x, const at::Tensor& qweight, co
   const Weight w = weight_of(qweight, scales, mins, supers, bits);
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   const int64_t block_rows = std::max<int64_t>(kTile, block_opt.value_or(kDenseBlockBytes / (2 * k)) / kTile * kTile);
-  at::Tensor block = at::empty({std::min(block_rows, out_features), k}, x.options());
-  auto* rows = static_cast<uint16_t*>(block.data_ptr());
+  // kept between calls: a fresh buffer over glibc's mmap threshold (32 MB) page-faults in on every call,
+  // which took as long as the GEMM itself for the default model's 55 MB gate/up weights at 512 rows
+  static thread_local std::vector<uint16_t> kept;
+  kept.resize(std::max<size_t>(kept.size(), std::min(block_rows, out_features) * k));
+  uint16_t* rows = kept.data();
+  at::Tensor block = at::from_blob(rows, {std::min(block_rows, out_features), k}, x.options());
   for (int64_t n0 = 0; n0 < out_features; n0 += block_rows) {
     const int64_t n = std::min(block_rows, out_features - n0);
     at::parallel_for(0, n / kTile, 4, [&](int64_t begin, int64_t end) {   // block_rows: whole tiles
