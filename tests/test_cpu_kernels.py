@@ -181,6 +181,25 @@ def test_paged_attention_kernel_checks_decode_rows_lengths():
     assert ops.cpu._lib.paged_attention_decode(q, kc, vc, qsl, ctx, tables, 0.125)[1] == 2
 
 
+def test_long_rows_over_a_cache_in_qs_dtype_go_to_sdpa_where_amx_bf16_runs(monkeypatch):
+    """With AMX-BF16, torch's flash SDPA takes rows of more than 64 tokens over a cache in q's dtype; a
+    cache narrower than q stays with the kernel. Without AMX-BF16 the AVX-512 kernel takes every row."""
+    sets = ops.cpu.INSTRUCTION_SETS
+    lifted = "avx512" in sets and "amx_bf16" not in sets
+    assert ops.cpu.SAME_DTYPE_ROW_TOKENS == (2**31 - 1 if lifted else 64)
+    monkeypatch.setattr(ops.cpu, "KERNEL_ROW_TOKENS", 2**31 - 1)
+    monkeypatch.setattr(ops.cpu, "SAME_DTYPE_ROW_TOKENS", 64)
+    sdpa_rows = []
+    real = ops.cpu._prefill_row
+    monkeypatch.setattr(ops.cpu, "_prefill_row", lambda *a: sdpa_rows.append(a[5]) or real(*a))   # a[5]: its tokens
+    q, kc, vc, qsl, ctx, tables = _paged([(100, 70), (64, 64), (9, 1)], 4, 2, 64, torch.bfloat16)
+    for query in (q, q.float()):        # the cache in q's dtype, then narrower than q: no SDPA
+        got = pagedserve.paged_attention(query, kc, vc, qsl, ctx, tables, 0.125)
+        want = reference_paged_attention(query, kc, vc, qsl, ctx, tables, 0.125)
+        torch.testing.assert_close(got, want, **TOL[query.dtype])
+    assert sdpa_rows == [70]
+
+
 def test_paged_attention_kernel_with_prefill_rows_only():
     """A call whose every row is longer than max_tokens (a prefill-only step on CPUs where long rows go to
     SDPA) attends nothing and counts the rows for the caller; it once read past its empty list of decode rows."""

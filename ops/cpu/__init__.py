@@ -45,6 +45,11 @@ INSTRUCTION_SETS: frozenset[str] = frozenset()     # what the loaded kernels wer
 # Elsewhere longer rows stay with SDPA, whose arithmetic serves many tokens per K/V value (the kernel's, one
 # token).
 KERNEL_ROW_TOKENS = 64
+# The same cap for rows over a cache stored in q's own dtype. install() lifts it with the other only where
+# the CPU has no AMX-BF16: with it torch's flash SDPA multiplies on the tiles, many query tokens per K/V
+# read, and beat the kernel from 65-token rows on. Other caches (quantized, or narrower than q) stay with
+# the kernel, which reads them as they are where SDPA would need a widened copy.
+SAME_DTYPE_ROW_TOKENS = 64
 # quant_linear calls with this many bf16 x rows or more (prefill chunks) dequantize the weights to bf16 and
 # run torch's GEMM, which has AMX-BF16 tiles to run on where install() finds them (then it sets 128, about
 # where the default model's layers broke even); elsewhere every call keeps the integer kernels. Fewer rows
@@ -58,8 +63,9 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
     if (q.dtype not in KERNEL_DTYPES or not stored or k_cache.stride(3) != 1
             or v_cache.stride() != k_cache.stride() or q.shape[2] % 2):
         return torch_paged_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale)
+    row_tokens = min(KERNEL_ROW_TOKENS, SAME_DTYPE_ROW_TOKENS) if k_cache.dtype == q.dtype else KERNEL_ROW_TOKENS
     out, prefill = _lib.paged_attention_decode(q.contiguous(), k_cache, v_cache, query_start_loc, context_lens,
-                                               block_tables, scale, 0, 0, KERNEL_ROW_TOKENS)
+                                               block_tables, scale, 0, 0, row_tokens)
     if not prefill:              # the kernel's rows only, and their lengths checked by it
         return out
     starts, ctx = query_start_loc.tolist(), context_lens.tolist()
@@ -67,7 +73,7 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
         _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])
     for i, n_ctx in enumerate(ctx):
         n = starts[i + 1] - starts[i]
-        if n > KERNEL_ROW_TOKENS:   # longer rows: torch's flash-attention SDPA (see KERNEL_ROW_TOKENS)
+        if n > row_tokens:   # longer rows: torch's flash-attention SDPA (see KERNEL_ROW_TOKENS)
             _prefill_row(out, q, k_cache, v_cache, starts[i], n, n_ctx, block_tables[i], scale)
     return out
 
@@ -168,7 +174,7 @@ def use_backend(backend: str) -> None:
 def install() -> bool:
     """Load the extension (building it if needed) and register its kernels; on failure log one line and
     keep the torch bodies. Returns whether the C++ kernels are in use."""
-    global _lib, INSTRUCTION_SETS, KERNEL_ROW_TOKENS, DENSE_ROWS
+    global _lib, INSTRUCTION_SETS, KERNEL_ROW_TOKENS, SAME_DTYPE_ROW_TOKENS, DENSE_ROWS
     if os.environ.get(ENV_SWITCH, "1") == "0":
         use_backend("torch")
         return False
@@ -186,6 +192,8 @@ def install() -> bool:
             KERNEL_ROW_TOKENS = 2**31 - 1
         if "amx_bf16" in INSTRUCTION_SETS:
             DENSE_ROWS = 128
+        else:
+            SAME_DTYPE_ROW_TOKENS = KERNEL_ROW_TOKENS
     use_backend("cpp")
     return True
 
