@@ -256,6 +256,22 @@ def test_paged_attention_matches_reference_on_ragged_batch(dtype, group, head_di
     assert not got[int(qsl[-1]):].any()                       # padding tokens come back as zeros
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_after_a_long_prefix_attends_it_in_two_merged_parts(dtype, monkeypatch):
+    """From SPLIT_PREFIX cached tokens on, a prefill row attends the prefix unmasked and itself causally in two
+    flash calls merged by their log-sum-exps: the same attention as the one masked call."""
+    import ops.paged_attention as attention
+    monkeypatch.setattr(attention, "SPLIT_PREFIX", 40)
+    split = []
+    real = attention._split_at_prefix
+    monkeypatch.setattr(attention, "_split_at_prefix", lambda *a: split.append(a[3]) or real(*a))
+    rows = [(100, 37), (45, 5), (30, 30), (39, 9)]         # (context, new tokens): prefixes 63, 40, 0, 30
+    q, kc, vc, qsl, ctx, bt = _paged_batch(rows, 6, 2, 64, dtype, seed=9)
+    got = attention.torch_paged_attention(q, kc, vc, qsl, ctx, bt, 0.125)
+    torch.testing.assert_close(got, reference_paged_attention(q, kc, vc, qsl, ctx, bt, 0.125), **TOL[dtype])
+    assert split == [63, 40]
+
+
 @pytest.mark.parametrize("context", [15, 16, 17, 33])
 def test_paged_attention_decode_only_across_block_boundaries(context):
     rows = [(context, 1), (context + 1, 1), (max(context - 14, 1), 1)]
