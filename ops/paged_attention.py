@@ -145,7 +145,7 @@ def _split_at_prefix(queries: Tensor, keys: Tensor, values: Tensor, prefix: int,
     """[Hq, n, D] attention of a chunk after `prefix` cached tokens as two flash calls merged by their
     log-sum-exps: the prefix unmasked, each kv head's GQA group of queries stacked as one head's rows, and
     the chunk's own keys causally (tokens see only the chunk's earlier ones)."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu   # SDPA's CPU kernel, with the lse
     hq, n, d = queries.shape
     hk = keys.shape[0]
     old, lse_old = flash(queries.reshape(1, hk, hq // hk * n, d), keys[None, :, :prefix], values[None, :, :prefix],
