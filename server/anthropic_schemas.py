@@ -170,7 +170,15 @@ class MessagesRequest(SamplingBody):
             system = "".join(_without_billing(t) for t in texts)
         messages = self.messages[:-1] if self.prefill() else self.messages
         turns = [m for i, msg in enumerate(messages) for m in msg.for_template(f"messages.{i}")]
-        return ([{"role": "system", "content": system}] if system else []) + turns
+        if not system:
+            return turns
+        if self.tools:
+            # Anthropic's cache prefix is tools, then system, then messages, and clients build on that:
+            # Claude Code's system text names the project directory, its ~17k tokens of tools do not. The
+            # template puts tools after the first system message, so that one stays empty and the text
+            # follows the tools as a system turn of its own: a new session reuses the cached tools.
+            return [{"role": "system", "content": ""}, {"role": "system", "content": system}] + turns
+        return [{"role": "system", "content": system}] + turns
 
     def openai_tools(self) -> list[dict]:
         return [t.as_openai() for t in self.tools or ()]

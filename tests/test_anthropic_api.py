@@ -120,6 +120,18 @@ def test_claude_codes_billing_line_is_left_out_of_the_prompt(client):
         assert billed.usage.cache_read_input_tokens == (prompt - 1) // 16 * 16
 
 
+def test_a_new_system_text_reuses_the_cached_tools(client):
+    """Tools render before the system text (Anthropic's cache order, which Claude Code builds on: its system
+    text names the project, its tools do not), so a request whose system text differs reads the tools from
+    the prefix cache."""
+    kw = dict(model="tiny-claude", max_tokens=2, tools=TOOLS, messages=ASK, extra_body=GREEDY)
+    tools = client.messages.count_tokens(model="tiny-claude", tools=TOOLS, messages=ASK).input_tokens
+    bare = client.messages.count_tokens(model="tiny-claude", messages=ASK).input_tokens
+    client.messages.create(**kw, system="The project is /work/alpha.")
+    other = client.messages.create(**kw, system="The project is /work/beta, a git repository.")
+    assert other.usage.cache_read_input_tokens >= (tools - bare) // 16 * 16 > 0
+
+
 def test_the_models_list_and_retrieve_in_anthropics_shape(client):
     assert [(m.id, m.type, m.display_name) for m in client.models.list()] == [("tiny-claude", "model", "tiny-claude")]
     assert client.models.retrieve("tiny-claude").created_at.year == 1970
