@@ -12,7 +12,7 @@ from server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from server.chat import Chat, prepare_chat
 from server.engine_host import EngineHost, client_label, host_of
 from server.generation import answer
-from server.tools import tool_request
+from server.tools import renders_tools_first, tool_request
 
 router = APIRouter()
 
@@ -22,7 +22,8 @@ async def _chat(host: EngineHost, body: MessagesRequest) -> Chat:
     choice = body.tool_choice
     tools = tool_request(body.openai_tools(), choice.as_openai() if choice else None,
                          not (choice and choice.disable_parallel_tool_use))
-    return await prepare_chat(host, body.chat(), tools, body.output_grammar(), body.template_kwargs(),
+    tools_first = tools is not None and renders_tools_first(host.require_client().tokenizer)
+    return await prepare_chat(host, body.chat(tools_first), tools, body.output_grammar(), body.template_kwargs(),
                               body.prefill())
 
 

@@ -161,8 +161,9 @@ class MessagesRequest(SamplingBody):
             raise APIError(400, "messages: the first message must have role \"user\"", param="messages.0.role",
                            code="invalid_value")
 
-    def chat(self) -> list[dict]:
-        """The conversation for the chat template, less a trailing assistant turn (`prefill()`)."""
+    def chat(self, tools_first: bool = False) -> list[dict]:
+        """The conversation for the chat template, less a trailing assistant turn (`prefill()`);
+        `tools_first`: the template shows tools before a second system message (tools.renders_tools_first)."""
         system = None
         if self.system is not None:
             _text(self.system, "system")        # refuses blocks that are not text
@@ -172,7 +173,7 @@ class MessagesRequest(SamplingBody):
         turns = [m for i, msg in enumerate(messages) for m in msg.for_template(f"messages.{i}")]
         if not system:
             return turns
-        if self.tools:
+        if self.tools and tools_first:
             # Anthropic's cache prefix is tools, then system, then messages, and clients build on that:
             # Claude Code's system text names the project directory, its ~17k tokens of tools do not. The
             # template puts tools after the first system message, so that one stays empty and the text

@@ -13,7 +13,9 @@ from server.errors import APIError
 from server.tool_call_parser import CALL_END, CALL_START
 
 _PROBE = "pagedserve_probe_tool"
+_PROBE_SYSTEM = "pagedserve probe system text"
 _rendering_cache: dict[str, bool] = {}
+_tools_first_cache: dict[str, bool] = {}
 
 
 @dataclass(frozen=True)
@@ -67,18 +69,38 @@ def lenient(schema: dict) -> dict:
     return schema | {"x-guidance": TOOL_JSON_OPTIONS | schema.get("x-guidance", {})}
 
 
+def _probe_tools() -> list[dict]:
+    return [{"type": "function", "function": {"name": _PROBE, "description": "probe",
+                                              "parameters": {"type": "object", "properties": {}}}}]
+
+
 def renders_tools(tokenizer) -> bool:
     """Whether the chat template shows the model the tools it is given (cached per template)."""
     template = tokenizer.chat_template or ""
     if template not in _rendering_cache:
-        probe = [{"type": "function", "function": {"name": _PROBE, "description": "probe",
-                                                   "parameters": {"type": "object", "properties": {}}}}]
         try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=probe)
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=_probe_tools())
         except Exception:  # noqa: BLE001 - a template that fails on tools cannot render them
             text = ""
         _rendering_cache[template] = _PROBE in text
     return _rendering_cache[template]
+
+
+def renders_tools_first(tokenizer) -> bool:
+    """Whether the template, given an empty first system message and the system text as a second one,
+    shows the tools before that text (some templates refuse a system message after the first)."""
+    template = tokenizer.chat_template or ""
+    if template not in _tools_first_cache:
+        text = ""
+        if renders_tools(tokenizer):
+            try:
+                text = tokenizer.apply_chat_template([{"role": "system", "content": ""},
+                                                      {"role": "system", "content": _PROBE_SYSTEM},
+                                                      {"role": "user", "content": "hi"}], tools=_probe_tools())
+            except Exception:  # noqa: BLE001 - a template that refuses the order keeps the usual one
+                text = ""
+        _tools_first_cache[template] = _PROBE in text and _PROBE_SYSTEM in text.split(_PROBE, 1)[1]
+    return _tools_first_cache[template]
 
 
 def call_grammar(fmt: str, request: ToolRequest, literal: Callable[[str], str]) -> Grammar:

@@ -132,6 +132,30 @@ def test_a_new_system_text_reuses_the_cached_tools(client):
     assert other.usage.cache_read_input_tokens >= (tools - bare) // 16 * 16 > 0
 
 
+class _Template:
+    """A tokenizer's chat-template side, as server/tools.py's probes use it."""
+
+    def __init__(self, source: str) -> None:
+        import jinja2
+
+        def refuse(message):
+            raise ValueError(message)
+        self.chat_template = source
+        self._template = jinja2.Environment().from_string(source, globals={"raise_exception": refuse})
+
+    def apply_chat_template(self, messages, tools=None, **kwargs) -> str:
+        return self._template.render(messages=messages, tools=tools, add_generation_prompt=True, **kwargs)
+
+
+def test_tools_go_first_only_where_the_template_takes_a_second_system_message():
+    from server.tools import renders_tools_first
+    refusing = ("{%- for m in messages %}{%- if m.role == 'system' and not loop.first %}"
+                "{{- raise_exception('System message must be at the beginning.') }}{%- endif %}{%- endfor %}" + HERMES)
+    assert renders_tools_first(_Template(HERMES))
+    assert not renders_tools_first(_Template(refusing))
+    assert not renders_tools_first(_Template("{%- for m in messages %}{{- m.content }}{%- endfor %}"))   # no tools
+
+
 def test_the_models_list_and_retrieve_in_anthropics_shape(client):
     assert [(m.id, m.type, m.display_name) for m in client.models.list()] == [("tiny-claude", "model", "tiny-claude")]
     assert client.models.retrieve("tiny-claude").created_at.year == 1970
