@@ -22,7 +22,7 @@ async def _chat(host: EngineHost, body: MessagesRequest) -> Chat:
     choice = body.tool_choice
     tools = tool_request(body.openai_tools(), choice.as_openai() if choice else None,
                          not (choice and choice.disable_parallel_tool_use))
-    tools_first = tools is not None and renders_tools_first(host.require_client().tokenizer)
+    tools_first = renders_tools_first(host.require_client().tokenizer)
     return await prepare_chat(host, body.chat(tools_first), tools, body.output_grammar(), body.template_kwargs(),
                               body.prefill())
 

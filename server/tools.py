@@ -14,8 +14,7 @@ from server.tool_call_parser import CALL_END, CALL_START
 
 _PROBE = "pagedserve_probe_tool"
 _PROBE_SYSTEM = "pagedserve probe system text"
-_rendering_cache: dict[str, bool] = {}
-_tools_first_cache: dict[str, bool] = {}
+_probe_cache: dict[tuple[str, str], bool] = {}
 
 
 @dataclass(frozen=True)
@@ -69,38 +68,32 @@ def lenient(schema: dict) -> dict:
     return schema | {"x-guidance": TOOL_JSON_OPTIONS | schema.get("x-guidance", {})}
 
 
-def _probe_tools() -> list[dict]:
-    return [{"type": "function", "function": {"name": _PROBE, "description": "probe",
-                                              "parameters": {"type": "object", "properties": {}}}}]
+def _probed(tokenizer, messages: list[dict], shown: Callable[[str], bool]) -> bool:
+    """Whether the chat template, given `messages` and a probe tool, renders text that `shown` accepts;
+    cached per template and messages. A template that raises accepts nothing."""
+    key = (tokenizer.chat_template or "", json.dumps(messages))
+    if key not in _probe_cache:
+        tools = [{"type": "function", "function": {"name": _PROBE, "description": "probe",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        try:
+            text = tokenizer.apply_chat_template(messages, tools=tools)
+        except Exception:  # noqa: BLE001 - the template's refusal is the answer
+            text = ""
+        _probe_cache[key] = shown(text)
+    return _probe_cache[key]
 
 
 def renders_tools(tokenizer) -> bool:
-    """Whether the chat template shows the model the tools it is given (cached per template)."""
-    template = tokenizer.chat_template or ""
-    if template not in _rendering_cache:
-        try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=_probe_tools())
-        except Exception:  # noqa: BLE001 - a template that fails on tools cannot render them
-            text = ""
-        _rendering_cache[template] = _PROBE in text
-    return _rendering_cache[template]
+    """Whether the chat template shows the model the tools it is given."""
+    return _probed(tokenizer, [{"role": "user", "content": "hi"}], lambda text: _PROBE in text)
 
 
 def renders_tools_first(tokenizer) -> bool:
     """Whether the template, given an empty first system message and the system text as a second one,
     shows the tools before that text (some templates refuse a system message after the first)."""
-    template = tokenizer.chat_template or ""
-    if template not in _tools_first_cache:
-        text = ""
-        if renders_tools(tokenizer):
-            try:
-                text = tokenizer.apply_chat_template([{"role": "system", "content": ""},
-                                                      {"role": "system", "content": _PROBE_SYSTEM},
-                                                      {"role": "user", "content": "hi"}], tools=_probe_tools())
-            except Exception:  # noqa: BLE001 - a template that refuses the order keeps the usual one
-                text = ""
-        _tools_first_cache[template] = _PROBE in text and _PROBE_SYSTEM in text.split(_PROBE, 1)[1]
-    return _tools_first_cache[template]
+    messages = [{"role": "system", "content": ""}, {"role": "system", "content": _PROBE_SYSTEM},
+                {"role": "user", "content": "hi"}]
+    return _probed(tokenizer, messages, lambda text: _PROBE_SYSTEM in text.partition(_PROBE)[2])
 
 
 def call_grammar(fmt: str, request: ToolRequest, literal: Callable[[str], str]) -> Grammar:
