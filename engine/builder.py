@@ -1,6 +1,7 @@
 """Build a ready engine from an EngineConfig: weights, tokenizer, K/V pool, runner, scheduler, loop."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.draft import DraftModel, check_draft
 from engine.grammar import GrammarCompiler
+from engine.kv.snapshot import KVSnapshot, weights_identity
 from engine.kv.pool import (KVPool, KVShape, StatePool, check_kv_layout, plan_num_blocks, plan_num_state_slots,
                             resolve_kv_cache_dtype)
 from engine.loading.checkpoint import open_checkpoint
@@ -25,6 +27,7 @@ from engine.runner import ModelRunner, PrefillBudget
 from engine.scheduler import Scheduler
 from engine.speculation import DraftProposer, Speculator
 
+log = logging.getLogger("pagedserve.engine")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -135,11 +138,18 @@ class Engine:
     state_pool: StatePool | None = None
     sampling_defaults: dict = field(default_factory=dict)   # from generation_config.json
     draft: DraftModel | None = None         # speculative = "draft"
+    snapshot: KVSnapshot | None = None      # prefix_cache_dir: the prefix cache kept across restarts
 
     @property
     def weights(self) -> str:
         """The linear weights' formats, as the model's loader counted them."""
         return self.model.linears.describe()
+
+    def close(self) -> None:
+        """Stop the loop (what is live is cancelled), then save the prefix cache where it is kept."""
+        self.loop.stop()
+        if self.snapshot is not None:
+            self.snapshot.save()
 
 
 def build_engine(cfg: EngineConfig, progress=None) -> Engine:
@@ -217,5 +227,30 @@ def _build(cfg: EngineConfig, progress) -> Engine:
     loop = EngineLoop(scheduler, tokenizer, eos, max_lag_tokens=cfg.client_max_lag_tokens,
                       timeout_s=cfg.client_timeout_s,
                       grammars=GrammarCompiler(tokenizer.to_json(), model_cfg.vocab_size, eos))
-    return Engine(cfg, model_cfg, str(path), tokenizer, model, pool, runner, scheduler, loop,
-                  dtype, device, max_len, state_pool, sampling_defaults, draft_model)
+    engine = Engine(cfg, model_cfg, str(path), tokenizer, model, pool, runner, scheduler, loop,
+                    dtype, device, max_len, state_pool, sampling_defaults, draft_model)
+    engine.snapshot = warm_restart(engine, quantization)
+    return engine
+
+
+def warm_restart(engine: Engine, quantization: str) -> KVSnapshot | None:
+    """The prefix_cache_dir snapshot of this engine, its blocks already read back; None when the
+    cache is not kept (no directory, prefix_cache off, a hybrid model: its hits need recurrent-state
+    checkpoints, which are not saved)."""
+    cfg = engine.config
+    if not cfg.prefix_cache_dir:
+        return None
+    if not cfg.prefix_cache or engine.state_pool is not None:
+        log.warning("prefix_cache_dir = %r is ignored: %s", cfg.prefix_cache_dir,
+                    "prefix_cache is off" if not cfg.prefix_cache else
+                    "the prefix cache of a hybrid model is not kept across restarts")
+        return None
+    shape = engine.pool.shape
+    fingerprint = {"weights": weights_identity(engine.model_path), "dtype": str(engine.dtype),
+                   "quantization": quantization, "quant_group_size": cfg.quant_group_size,
+                   "device": engine.device.type, "torch": torch.__version__,
+                   "kv": [shape.num_layers, shape.kv_heads, shape.head_dim, shape.block_size, str(shape.dtype)]}
+    snapshot = KVSnapshot(cfg.prefix_cache_dir, fingerprint, engine.scheduler.kv.blocks,
+                          [t for kv in engine.pool.layers for t in kv])
+    snapshot.load()
+    return snapshot

@@ -109,5 +109,5 @@ class EngineClient:
             overlap_scheduling=e.scheduler.overlapped, vocab_size=e.model_config.vocab_size, sampling_defaults=dict(e.sampling_defaults))
 
     def close(self) -> None:
-        """Cancel what is live and stop the loop thread."""
-        self._loop.stop()
+        """Cancel what is live, stop the loop thread and save the prefix cache where it is kept."""
+        self.engine.close()

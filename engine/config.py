@@ -70,6 +70,9 @@ class EngineConfig:
                              "not for MoE models)")
     kv_cache_dtype: str = _choice("auto", ("auto", "model", "bf16", "fp16", "fp32", "q8_0", "q4_0"), "K/V cache storage; auto = bf16 on CPUs whatever dtype is (attention widens it as it reads), the model's dtype on GPUs; model = dtype; q8_0 / q4_0 = 8- / 4-bit blocks of 32 with an fp16 scale, K Hadamard-rotated (block_size a multiple of 16)")
     prefix_cache: bool = _key(True, "true or false", lambda v: True, "reuse K/V blocks of prompts seen before")
+    prefix_cache_dir: str = _key("", "a directory path (empty = the cache is not kept)", lambda v: True,
+                                 "keep the prefix cache across restarts: saved here when the engine stops, read back "
+                                 "when it starts (one file per model and K/V layout; attention-only models)")
     speculative: str = _choice("none", ("none", "ngram", "draft"), "speculative decoding, verified in the same step (greedy output is unchanged): "
                                "ngram = the tokens that followed an earlier occurrence of the latest ones (prompt lookup), draft = what draft_model proposes")
     draft_model: str = _key("", "a preset name, a checkpoint dir or a .gguf file (empty = none)", lambda v: True,

@@ -49,4 +49,4 @@ class LLM:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def close(self) -> None:
-        self.engine.loop.stop()
+        self.engine.close()

@@ -37,10 +37,10 @@ class Scheduler:
                  speculator: Speculator | None = None) -> None:
         self.engine = engine
         self._limits = lim = engine.limits()
-        self._kv = KVResources(
+        self.kv = KVResources(      # public: a warm restart (engine/kv/snapshot.py) saves and refills its cache
             lim.num_blocks, lim.num_state_slots, PrefixCache(lim.block_size) if prefix_cache else None,
             CheckpointCache() if prefix_cache and lim.num_state_slots else None)
-        self._prefix = PrefixReuse(lim.block_size, self._kv)
+        self._prefix = PrefixReuse(lim.block_size, self.kv)
         self._max_waiting = max_waiting
         self._clock = clock
         self._waiting: deque[Request] = deque()
@@ -141,7 +141,7 @@ class Scheduler:
         return self._live.get(request_id)
 
     def stats(self) -> SchedulerStats:
-        now, alloc = self._clock(), self._kv.blocks
+        now, alloc = self._clock(), self.kv.blocks
         paused = sum(r.state is RequestState.PAUSED for r in self._running)
         prompt_rate, gen_rate = self._recorder.rates()
         rows = tuple(RequestRow.of(r, now) for r in [*self._running, *self._waiting])
@@ -253,7 +253,7 @@ class Scheduler:
             events.append(Event.of(req, None, None, draw))
         req.num_computed_tokens = len(req.all_token_ids) - 1 if row.sample else row.end_pos
         if row.kind is RowKind.DECODE:      # a verify row's rejected (or never made) proposals
-            self._kv.blocks.free(reversed(req.take_blocks(self._blocks_for(len(req.all_token_ids)))))
+            self.kv.blocks.free(reversed(req.take_blocks(self._blocks_for(len(req.all_token_ids)))))
         self._prefix.remember(req, row, cut=len(events) + 1 < len(run))
         if reason is not None:
             events.append(self._retire(req, reason, error=error, out=draw))
@@ -273,7 +273,7 @@ class Scheduler:
 
     def _cover(self, req: Request, positions: int) -> int:
         """Free blocks (no reservation, no preemption) towards `positions`; the positions covered."""
-        blocks, bs = self._kv.blocks, self._limits.block_size
+        blocks, bs = self.kv.blocks, self._limits.block_size
         while len(req.blocks) * bs < positions and blocks.num_free:
             req.add_blocks(blocks.allocate(1))
         return min(positions, len(req.blocks) * bs)
@@ -295,14 +295,14 @@ class Scheduler:
         """Give back an admitted request's blocks, reservation and slot."""
         self._running.remove(req)
         self._rotation.discard(req.id)
-        self._kv.blocks.free(reversed(req.take_blocks()))  # a prefix's tail goes idle first, so is evicted first
+        self.kv.blocks.free(reversed(req.take_blocks()))  # a prefix's tail goes idle first, so is evicted first
         if req.sent_blocks is not None:
             self._forget.append(req.id)
             req.sent_blocks, req.unsent_drop = None, 0
         self._reservations.pop(req.id).release()
         self._prefix.released(req)
         if req.state_slot is not None:
-            self._kv.slots.release(req.state_slot)
+            self.kv.slots.release(req.state_slot)
             req.state_slot = None
 
     def _preempt(self, req: Request) -> None:
@@ -318,8 +318,8 @@ class Scheduler:
         reservation = self._reservations[req.id]
         if reservation.remaining:
             return reservation.take()
-        if self._kv.blocks.num_free:
-            return self._kv.blocks.allocate(1)[0]
+        if self.kv.blocks.num_free:
+            return self.kv.blocks.allocate(1)[0]
         return None
 
     def _grow_decoders(self) -> list[Request]:
@@ -355,7 +355,7 @@ class Scheduler:
             if len(self._running) >= lim.max_rows:
                 return
             hit, restore = self._prefix.lookup(req)
-            claim = self._kv.claim(hit, self._blocks_for(len(req.all_token_ids)) - len(hit) + 1, restore)
+            claim = self.kv.claim(hit, self._blocks_for(len(req.all_token_ids)) - len(hit) + 1, restore)
             if claim is None:
                 return
             self._waiting.remove(req)

@@ -5,6 +5,7 @@ refused connection; a second SIGINT stops at once."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import signal
 import time
@@ -52,8 +53,12 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     def stop_on_load_failure() -> None:
         server.should_exit = True
     app = create_app(engine_cfg, server_cfg, on_load_failure=stop_on_load_failure)
+    # pagedserve's own lines (model ready, draining, the prefix cache restored and saved) go where
+    # uvicorn's go, in its format
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["loggers"]["pagedserve"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
     config = uvicorn.Config(app, host=server_cfg.host, port=server_cfg.port, access_log=False,
-                            timeout_graceful_shutdown=10, log_level="info",
+                            timeout_graceful_shutdown=10, log_level="info", log_config=log_config,
                             http=header_deadline_protocol(server_cfg.header_timeout_s))
     server = _Server(config, app.state.host)
     server.run()

@@ -262,8 +262,8 @@ def check_invariants(sched: Scheduler) -> None:
     owned = Counter(b for r in sched._running for b in r.block_ids)
     assert len(owned) == st.blocks_used, "a block is leaked"
     for block, holders in owned.items():
-        assert holders == sched._kv.blocks.refcount(block), f"block {block}: refcount != holders"
-        assert holders == 1 or sched._kv.blocks.cache.is_cached(block), f"uncached block {block} shared"
+        assert holders == sched.kv.blocks.refcount(block), f"block {block}: refcount != holders"
+        assert holders == 1 or sched.kv.blocks.cache.is_cached(block), f"uncached block {block} shared"
     slots = [r.state_slot for r in sched._running if r.state_slot is not None]
     assert len(slots) == len(set(slots)) == st.slots_used
     assert st.running + st.paused <= sched._limits.max_rows

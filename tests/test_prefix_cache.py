@@ -75,9 +75,9 @@ def test_two_requests_share_blocks_and_reference_counts_follow():
     sched.step()
     shared = first_row(engine, "b").new_blocks[:2]
     assert first_row(engine, "c").new_blocks[:2] == shared
-    assert [sched._kv.blocks.refcount(b) for b in shared] == [2, 2]
+    assert [sched.kv.blocks.refcount(b) for b in shared] == [2, 2]
     drain(sched)
-    assert [sched._kv.blocks.refcount(b) for b in shared] == [0, 0]
+    assert [sched.kv.blocks.refcount(b) for b in shared] == [0, 0]
     assert sched.stats().cached_blocks >= 2 and sched.stats().blocks_used == 0
 
 
@@ -194,7 +194,7 @@ def test_random_workloads_share_blocks_safely_and_keep_outputs(cfg, ops):
     if cfg["num_state_slots"]:
         cfg["num_state_slots"] = max(cfg["num_state_slots"], cfg["max_rows"])
     sched, engine, _ = make_scheduler(prefix_cache=True, **cfg)
-    alloc, bs, execute = sched._kv.blocks, cfg["block_size"], engine.execute
+    alloc, bs, execute = sched.kv.blocks, cfg["block_size"], engine.execute
 
     broken: list[AssertionError] = []
 
@@ -258,7 +258,7 @@ def test_choices_of_one_completion_wait_for_the_first_and_share_its_prompt_block
         check_invariants(sched)
         running = {r.id: r for r in sched._running}
         if len(running) == 3:
-            shared.append([sched._kv.blocks.refcount(b) for b in running["c-1"].block_ids[:4]])
+            shared.append([sched.kv.blocks.refcount(b) for b in running["c-1"].block_ids[:4]])
     first = {rid: first_row(engine, rid) for rid in ("c-1", "c-2")}
     table = [t["c"] for t in engine.tables if "c" in t][-1]
     assert all(first[r].start_pos == 16 and first[r].new_blocks[:4] == table[:4] for r in first)

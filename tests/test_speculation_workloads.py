@@ -41,7 +41,7 @@ def test_random_workloads_with_random_acceptance_keep_the_invariants(cfg, ops, k
         check_plan(plan, {r.id for r in sched._running if r.state is RequestState.DECODE})
         held = {row.request_id: tuple(sched.get(row.request_id).block_ids) for row in plan.rows}
         owned = [b for ids in held.values() for b in ids]
-        cache = sched._kv.blocks.cache
+        cache = sched.kv.blocks.cache
         assert all(cache is not None and cache.is_cached(b) for b in set(owned) if owned.count(b) > 1), \
             "two rows share a block the prefix cache does not hold"
         result = execute(plan)

@@ -13,7 +13,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Iterable
 
-from engine.kv.prefix_cache import PrefixCache
+from engine.kv.prefix_cache import Entry, PrefixCache
 
 
 class OutOfBlocks(RuntimeError):
@@ -121,6 +121,24 @@ class BlockAllocator:
                                   f"{self._reserved} of the free blocks are reserved")
             self.cache.revive(block_id)
         return self._grant(block_id)
+
+    def adopt(self, entries: list[Entry]) -> list[int]:
+        """Index uncached free blocks as holding `entries` (a saved cache read back, least recently
+        used first); they become idle cached blocks in that order. Their ids, for the caller to fill
+        with the entries' K/V. All or nothing."""
+        if self.cache is None:
+            raise ValueError("this allocator has no prefix cache to adopt blocks into")
+        if len(entries) > len(self._heap) - self._reserved:
+            raise OutOfBlocks(f"cannot adopt {len(entries)} cached blocks; {len(self._heap) - self._reserved} "
+                              "uncached blocks are free")
+        hashes = {e.hash for e in entries}
+        if len(hashes) < len(entries) or any(h in self.cache for h in hashes):
+            raise ValueError("adopted entries must be distinct and not cached yet")
+        blocks = [heapq.heappop(self._heap) for _ in entries]
+        for bid, entry in zip(blocks, entries):
+            self.cache.add(bid, entry)
+            self.cache.park(bid)
+        return blocks
 
     def check(self, handle: BlockHandle) -> int:
         """The block id of a live handle; StaleHandleError if it was freed since."""

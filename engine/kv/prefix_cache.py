@@ -47,7 +47,8 @@ class BlockChain:
 
 
 @dataclass(frozen=True)
-class _Entry:
+class Entry:
+    """What names a cached block's content: its chained hash, its parent's and its token ids."""
     hash: bytes
     parent: bytes
     tokens: tuple[int, ...]
@@ -61,7 +62,7 @@ class PrefixCache:
         self.block_size = block_size
         self.root = root_hash(salt)
         self._by_hash: dict[bytes, int] = {}
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, Entry] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()     # least recently used first
         self.evictions = 0
 
@@ -75,6 +76,9 @@ class PrefixCache:
 
     def chain(self) -> BlockChain:
         return BlockChain(self.block_size, self.root)
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self._by_hash
 
     def is_cached(self, block: int) -> bool:
         return block in self._entries
@@ -99,14 +103,24 @@ class PrefixCache:
     def insert(self, block: int, chain: BlockChain, index: int, tokens: Sequence[int]) -> bool:
         """Index a block that now holds full block `index` of `tokens`. False (nothing changes) when
         that prefix is cached already in another block: the first copy stays the shared one."""
-        h = chain.hashes[index]
-        if h in self._by_hash or block in self._entries:
-            return False
         bs = self.block_size
-        self._by_hash[h] = block
-        self._entries[block] = _Entry(h, chain.parent_of(index),
-                                      tuple(tokens[index * bs:(index + 1) * bs]))
+        return self.add(block, Entry(chain.hashes[index], chain.parent_of(index),
+                                     tuple(tokens[index * bs:(index + 1) * bs])))
+
+    def add(self, block: int, entry: Entry) -> bool:
+        """Index `block` as holding `entry`'s prefix; False (nothing changes) when that prefix or the
+        block is indexed already."""
+        if entry.hash in self._by_hash or block in self._entries:
+            return False
+        self._by_hash[entry.hash] = block
+        self._entries[block] = entry
         return True
+
+    def entries(self) -> list[tuple[int, Entry]]:
+        """(block, entry) of every cached block, most recently used first: held blocks, then idle
+        ones from the newest to the oldest."""
+        held = [b for b in self._entries if b not in self._idle]
+        return [(b, self._entries[b]) for b in held + list(reversed(self._idle))]
 
     def park(self, block: int) -> bool:
         """The last holder let go: a cached block becomes idle (most recently used); False for an

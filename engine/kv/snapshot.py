@@ -1,0 +1,164 @@
+"""Warm restarts (config `prefix_cache_dir`): the prefix cache's blocks, with their chained hashes,
+token ids and K/V, are written to a file when the engine stops and read back when it starts, so the
+prompts of the last run (an agent's long system prompt and tools) hit the cache at once instead of
+being computed again.
+
+A file holds one model's blocks in one K/V layout: its name is a digest of everything that decides
+what a block holds (the weights file, dtype, quantization, the K/V shapes and dtype), so models and
+settings keep files of their own side by side. A draft model's K/V is not kept: the draft reads a
+restored prefix like any cached one it has not read. Blocks come back as idle cached
+blocks in their old order of use, which the allocator evicts like any other; when the pool is
+smaller than the file, the most recently used blocks are kept, each with its whole chain of parents
+(a block is found only after its parents).
+
+Layout: MAGIC, the header's length (8 bytes, little endian), the JSON header, then n entries of
+16-byte hash + 16-byte parent hash, n x block_size int64 token ids, and per pool tensor (header
+order) the n blocks' bytes, most recently used first.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from engine.atomic_file import temp_path
+from engine.kv.allocator import BlockAllocator
+from engine.kv.prefix_cache import Entry
+
+log = logging.getLogger("pagedserve.engine")
+MAGIC = b"pagedserve-kv-1\n"
+SAVE_CHUNK = 256            # blocks gathered per write: bounds the copy a save makes
+
+
+class SnapshotError(ValueError):
+    """A snapshot file that cannot be read back (torn, from another layout); the engine starts cold."""
+
+
+def weights_identity(path: str) -> list:
+    """Name, size and modification time of a weights file, or of each file in a checkpoint dir."""
+    p = Path(path)
+    files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+class KVSnapshot:
+    """Saves and restores one engine's prefix cache. `tensors` are the pool's block-indexed K/V
+    tensors (every layer's k and v); `fingerprint` is what must
+    match for a file to be read back (it also names the file)."""
+
+    def __init__(self, directory: str, fingerprint: dict, allocator: BlockAllocator,
+                 tensors: list[torch.Tensor]) -> None:
+        self.fingerprint = fingerprint
+        digest = hashlib.blake2b(json.dumps(fingerprint, sort_keys=True).encode(), digest_size=8).hexdigest()
+        self.path = Path(directory).expanduser() / f"{digest}.kv"
+        self.allocator = allocator
+        self.tensors = [t.view(torch.uint8).view(t.shape[0], -1) for t in tensors]   # a block = one row of bytes
+
+    def _header(self, n: int) -> bytes:
+        layout = [[t.shape[1]] for t in self.tensors]
+        return json.dumps({"fingerprint": self.fingerprint, "blocks": n,
+                           "block_size": self.allocator.cache.block_size, "layout": layout}).encode()
+
+    def save(self) -> int:
+        """Write every cached block; returns how many. Call it with the loop stopped (no step may
+        write the pool meanwhile). The file is replaced whole or not at all."""
+        entries = self.allocator.cache.entries()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp, started = temp_path(self.path), time.monotonic()
+        header = self._header(len(entries))
+        header += b" " * (-(len(MAGIC) + 8 + len(header)) % 64)     # aligns the arrays after it
+        try:
+            with open(tmp, "xb") as f:
+                f.write(MAGIC + len(header).to_bytes(8, "little") + header)
+                f.write(b"".join(e.hash + e.parent for _, e in entries))
+                f.write(torch.tensor([e.tokens for _, e in entries], dtype=torch.int64).numpy().tobytes())
+                for t in self.tensors:
+                    for i in range(0, len(entries), SAVE_CHUNK):
+                        ids = torch.tensor([b for b, _ in entries[i:i + SAVE_CHUNK]])
+                        f.write(t.index_select(0, ids).numpy().data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        log.info("prefix cache: saved %d blocks to %s in %.1f s", len(entries), self.path,
+                 time.monotonic() - started)
+        return len(entries)
+
+    def load(self) -> int:
+        """Read the file back into free blocks, if there is one for this fingerprint; returns how
+        many blocks were restored. A file that cannot be read is reported and left for the next save
+        to replace: the engine starts cold."""
+        if not self.path.exists():
+            return 0
+        started = time.monotonic()
+        try:
+            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+                n = self._restore(mm)
+        except (OSError, SnapshotError) as e:
+            log.warning("prefix cache: %s not restored (%s); starting with an empty cache", self.path, e)
+            return 0
+        log.info("prefix cache: restored %d blocks from %s in %.1f s", n, self.path, time.monotonic() - started)
+        return n
+
+    def _restore(self, mm: mmap.mmap) -> int:
+        if mm[:len(MAGIC)] != MAGIC:
+            raise SnapshotError("not a pagedserve prefix-cache file")
+        at = len(MAGIC) + 8
+        end = at + int.from_bytes(mm[len(MAGIC):at], "little")
+        try:
+            header = json.loads(mm[at:end])
+            n, bs = int(header["blocks"]), int(header["block_size"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise SnapshotError(f"unreadable header: {e}") from None
+        expected = json.loads(self._header(n))
+        if header != expected:
+            raise SnapshotError("written for another model or K/V layout")
+        sizes = [32 * n, 8 * bs * n] + [n * t.shape[1] for t in self.tensors]
+        if len(mm) != end + sum(sizes):
+            raise SnapshotError(f"{len(mm):,} bytes where the header promises {end + sum(sizes):,} (torn write?)")
+        if n == 0:
+            return 0
+        names = mm[end:end + 32 * n]
+        tokens = torch.frombuffer(mm, dtype=torch.int64, count=bs * n, offset=end + sizes[0]).view(n, bs).tolist()
+        entries = [Entry(names[32 * i:32 * i + 16], names[32 * i + 16:32 * i + 32], tuple(tokens[i]))
+                   for i in range(n)]
+        keep = closed_prefix(entries, self.allocator.cache.root, self.allocator.num_free)
+        # oldest first, so the blocks go idle in their old order of use
+        blocks = self.allocator.adopt([entries[i] for i in reversed(keep)])[::-1]
+        src, dst = torch.tensor(keep, dtype=torch.int64), torch.tensor(blocks, dtype=torch.int64)
+        offset = end + sizes[0] + sizes[1]
+        for t in self.tensors:
+            saved = torch.frombuffer(mm, dtype=torch.uint8, count=n * t.shape[1], offset=offset).view(n, -1)
+            t.index_copy_(0, dst, saved.index_select(0, src))
+            offset += n * t.shape[1]
+        return len(blocks)
+
+
+def closed_prefix(entries: list[Entry], root: bytes, budget: int) -> list[int]:
+    """Indices of at most `budget` entries (most recently used first) to keep: taken in order, each
+    with the parents it needs before it, and none whose chain does not reach `root` in the file."""
+    index = {e.hash: i for i, e in enumerate(entries)}
+    kept: dict[int, None] = {}
+    for i in range(len(entries)):
+        chain, j = [], i
+        while j not in kept and len(chain) <= len(entries):     # (a corrupt file could hold a cycle)
+            chain.append(j)
+            parent = entries[j].parent
+            if parent == root:
+                break
+            j = index.get(parent)
+            if j is None:           # an orphan (its parent was evicted before the save)
+                chain = []
+                break
+        if len(kept) + len(chain) > budget:
+            break
+        kept.update(dict.fromkeys(reversed(chain)))     # parents first
+    return list(kept)

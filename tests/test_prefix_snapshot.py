@@ -1,0 +1,148 @@
+"""Warm restarts (prefix_cache_dir, engine/kv/snapshot.py): the prefix cache saved when an engine stops
+is read back by the next engine of the same model and layout, hits at once and gives the tokens a cold
+engine gives; any other file is left alone and the engine starts cold."""
+from __future__ import annotations
+
+import logging
+import signal
+
+import openai
+import pytest
+import torch
+from chat_templates import HERMES, chat_model
+from server_process import ServerProcess
+
+from engine import LLM
+from engine.kv.allocator import BlockAllocator
+from engine.kv.prefix_cache import Entry, PrefixCache
+from engine.kv.snapshot import KVSnapshot, closed_prefix
+from engine.request import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+MAKE = dict(dtype="float32", max_model_len=256, max_concurrency=2, block_size=16, kv_pool_tokens=1024)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(path, directory, prompts, **config):
+    """Each prompt's completion from a fresh engine, then the engine closed (which saves)."""
+    llm = LLM(model=str(path), prefix_cache_dir=str(directory), **(MAKE | config))
+    try:
+        return [llm.generate([p], GREEDY)[0] for p in prompts], llm.engine.snapshot
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp32", "q8_0"])
+def test_a_restarted_engine_hits_the_saved_prefix_and_samples_the_same(tiny_checkpoint, tmp_path, kv_cache_dtype):
+    path = tiny_checkpoint("qwen3")
+    system = ids(70, seed=1)                  # 4 full blocks, the fifth partial
+    first, snapshot = run(path, tmp_path, [system + ids(9, seed=2)], kv_cache_dtype=kv_cache_dtype)
+    assert snapshot.path.exists() and first[0].cached_tokens == 0
+    again, _ = run(path, tmp_path, [system + ids(9, seed=2), system + ids(12, seed=3)],
+                   kv_cache_dtype=kv_cache_dtype)
+    # both start with the saved system blocks (a prompt's last token is always fed)
+    assert [c.cached_tokens for c in again] == [64, 64]
+    cold = LLM(model=str(path), kv_cache_dtype=kv_cache_dtype, **MAKE)
+    try:
+        want = [cold.generate([p], GREEDY)[0].token_ids for p in (system + ids(9, seed=2), system + ids(12, seed=3))]
+    finally:
+        cold.close()
+    assert [c.token_ids for c in again] == want
+
+
+def test_another_layout_keeps_its_own_file_and_starts_cold(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("qwen3")
+    prompt = ids(40, seed=5)
+    _, fp32 = run(path, tmp_path, [prompt], kv_cache_dtype="fp32")
+    [c], bf16 = run(path, tmp_path, [prompt], kv_cache_dtype="bf16")
+    assert c.cached_tokens == 0 and bf16.path != fp32.path
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([fp32.path.name, bf16.path.name])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_a_damaged_file_is_reported_and_the_engine_serves_cold(tiny_checkpoint, tmp_path, caplog, damage):
+    path = tiny_checkpoint("qwen3")
+    prompt = ids(40, seed=6)
+    [want], snapshot = run(path, tmp_path, [prompt])
+    data = snapshot.path.read_bytes()
+    snapshot.path.write_bytes(data[:-100] if damage == "truncate" else b"not a cache" + data)
+    with caplog.at_level(logging.WARNING, logger="pagedserve.engine"):
+        [got], _ = run(path, tmp_path, [prompt])
+    assert "not restored" in caplog.text
+    assert got.cached_tokens == 0 and got.token_ids == want.token_ids
+    [hit], _ = run(path, tmp_path, [prompt])         # the cold engine's save replaced the damaged file
+    assert hit.cached_tokens == 32
+
+
+def test_a_server_saves_on_sigint_and_the_next_one_serves_from_the_file(tiny_checkpoint, tmp_path_factory, tmp_path):
+    model = chat_model(tmp_path_factory, tiny_checkpoint, "tiny-warm", HERMES)
+    ask = dict(model="tiny-warm", max_tokens=4, temperature=0,
+               messages=[{"role": "system", "content": "You review diffs. " * 10},
+                         {"role": "user", "content": "Is this fine?"}])
+    replies = []
+    for run in range(2):
+        srv = ServerProcess(model, "--prefix-cache-dir", str(tmp_path / "cache"), workdir=tmp_path)
+        try:
+            srv.wait_ready()
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+            replies.append(client.chat.completions.create(**ask))
+        finally:
+            status = srv.stop(signal.SIGINT)         # closes the log
+        log = (tmp_path / f"server-{srv.port}.log").read_text()
+        assert status == 0 and "prefix cache: saved" in log, log
+    cold, warm = replies
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens == (cold.usage.prompt_tokens - 1) // 16 * 16 > 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
+def chains(cache: PrefixCache, allocator: BlockAllocator, prompts: list[list[int]]) -> None:
+    """Index each prompt's full blocks as computed, then let them go (as a finished request does)."""
+    for tokens in prompts:
+        chain = cache.chain()
+        hashes = chain.extend(tokens)
+        handles = allocator.allocate(len(hashes))
+        for i, h in enumerate(handles):
+            cache.insert(h.block_id, chain, i, tokens)
+        allocator.free(reversed(handles))
+
+
+def test_a_smaller_pool_keeps_the_newest_blocks_with_their_parents(tmp_path):
+    bs, dims = 4, (3, 5)
+    cache, pool = PrefixCache(bs), torch.randn(32, bs, *dims)
+    allocator = BlockAllocator(32, cache)
+    old, new = ids(12, seed=7), ids(8, seed=8) + ids(8, seed=9)
+    chains(cache, allocator, [old, new])     # 3 blocks, then 4 newer ones
+    saved = {e.hash: pool[b].clone() for b, e in cache.entries()}
+    KVSnapshot(str(tmp_path), {"t": 1}, allocator, [pool]).save()
+
+    small_cache, small = PrefixCache(bs), torch.zeros(5, bs, *dims)
+    small_alloc = BlockAllocator(5, small_cache)
+    assert KVSnapshot(str(tmp_path), {"t": 1}, small_alloc, [small]).load() == 5
+    hit_new = small_cache.lookup(new, small_cache.chain().extend(new))
+    hit_old = small_cache.lookup(old, small_cache.chain().extend(old))
+    assert len(hit_new) == 4 and len(hit_old) == 1     # the newer chain whole, then the older's head
+    for b, e in small_cache.entries():
+        assert torch.equal(small[b], saved[e.hash])
+    assert small_alloc.num_free == 5 and small_cache.num_idle == 5
+    # the older chain's head was used least recently: it goes first
+    assert small_alloc.allocate(1)[0].block_id == hit_old[0]
+    # another fingerprint finds no file of its own
+    assert KVSnapshot(str(tmp_path), {"t": 2}, BlockAllocator(5, PrefixCache(bs)), [small]).load() == 0
+    empty = KVSnapshot(str(tmp_path), {"t": 3}, BlockAllocator(5, PrefixCache(bs)), [small])
+    assert empty.save() == 0 and empty.path.exists() and empty.load() == 0
+
+
+def test_orphans_and_the_budget_decide_what_is_kept():
+    cache = PrefixCache(2)
+    chain = cache.chain()
+    hashes = chain.extend([1, 2, 3, 4, 5, 6])
+    entries = [Entry(hashes[i], chain.parent_of(i), ()) for i in range(3)]
+    orphan = Entry(b"x" * 16, b"y" * 16, ())
+    # most recently used first: the chain's tail, an orphan, the head
+    order = [entries[2], orphan, entries[0], entries[1]]
+    assert closed_prefix(order, cache.root, 10) == [2, 3, 0]
+    assert closed_prefix(order, cache.root, 2) == []          # the tail needs all 3
