@@ -9,5 +9,14 @@ class RequestRejected(UserError, ValueError):
     """The request can never run here (empty, too long for the context or the K/V pool)."""
 
 
+class PromptTooLong(RequestRejected):
+    """A prompt longer than the context or the K/V pool allows: `tokens` it has, `most` that fit."""
+
+    def __init__(self, message: str, tokens: int, most: int) -> None:
+        super().__init__(message)
+        self.tokens = tokens
+        self.most = most
+
+
 class QueueFull(RuntimeError):
     """Too many requests are waiting; retry later."""

@@ -22,7 +22,7 @@ from engine.prefill_rotation import PrefillRotation
 from engine.prefix_reuse import PrefixReuse
 from engine.request import Event, FinishReason, Request, RequestState
 from engine.speculation import Proposal, Speculator
-from engine.errors import QueueFull, RequestRejected
+from engine.errors import PromptTooLong, QueueFull, RequestRejected
 from engine.stats import RequestRow, SchedulerStats, StatsRecorder, percentile
 
 __all__ = ["Event", "QueueFull", "RequestRejected", "Scheduler"]
@@ -80,13 +80,13 @@ class Scheduler:
         if n == 0:
             raise RequestRejected("prompt is empty; send at least one token")
         if n >= lim.max_model_len:
-            raise RequestRejected(f"prompt has {n:,} tokens; max_model_len is {lim.max_model_len:,} "
-                                  "(the prompt must leave room for at least one generated token)")
+            raise PromptTooLong(f"prompt has {n:,} tokens; max_model_len is {lim.max_model_len:,} (the prompt "
+                                "must leave room for at least one generated token)", n, lim.max_model_len - 1)
         need = self._blocks_for(n) + 1
         if need > lim.num_blocks:
-            raise RequestRejected(f"prompt has {n:,} tokens and needs {need:,} K/V blocks of "
-                                  f"{lim.block_size} tokens; the pool has {lim.num_blocks:,} blocks "
-                                  "(raise the K/V pool size)")
+            raise PromptTooLong(f"prompt has {n:,} tokens and needs {need:,} K/V blocks of {lim.block_size} tokens; "
+                                f"the pool has {lim.num_blocks:,} blocks (raise the K/V pool size)",
+                                n, (lim.num_blocks - 1) * lim.block_size)
         if self._max_waiting is not None and len(self._waiting) >= self._max_waiting:
             raise QueueFull(f"{len(self._waiting)} requests are waiting (max_waiting="
                             f"{self._max_waiting}); retry later")

@@ -176,7 +176,7 @@ class EngineHost:
         """One engine request per choice (params[i] for choice i); choices after the first start
         from the first's cached prompt blocks. Rejections are 400/503 naming `param`."""
         from engine.grammar import GrammarError
-        from engine.errors import QueueFull, RequestRejected
+        from engine.errors import PromptTooLong, QueueFull, RequestRejected
         engine = self.require_client()
         handles: list = []
         try:
@@ -192,7 +192,11 @@ class EngineHost:
             if isinstance(e, QueueFull):
                 raise APIError(503, str(e), code="queue_full") from None
             code = "context_length_exceeded" if isinstance(e, RequestRejected) else "invalid_value"
-            raise APIError(400, str(e), param=param, code=code) from None
+            # Anthropic's wording: Claude Code reads the two numbers, drops that many tokens of the
+            # oldest turns and retries (OpenAI-style clients go by the code)
+            too_long = (f"prompt is too long: {e.tokens} tokens > {e.most} maximum; {e}"
+                        if isinstance(e, PromptTooLong) else None)
+            raise APIError(400, str(e), param=param, code=code, anthropic_message=too_long) from None
         return handles
 
     def cancel(self, request_id: str) -> bool:

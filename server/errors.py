@@ -27,10 +27,11 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
+                 code: str | None = None, type: str | None = None, anthropic_message: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.anthropic_message = anthropic_message      # where Anthropic's API has words of its own
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "server_error")
@@ -45,7 +46,7 @@ class APIError(Exception):
 
     def anthropic_body(self) -> dict:
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
-                                           "message": self._message_with_param()}}
+                                           "message": self.anthropic_message or self._message_with_param()}}
 
     def ollama_body(self) -> dict:
         return {"error": self._message_with_param()}

@@ -5,6 +5,7 @@ frees everything; and, on any route, CORS and the request time limit."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import anthropic
@@ -200,6 +201,17 @@ def test_errors_take_anthropics_shape(server, body, status, kind, words):
     assert r.status_code == status, r.text
     error = r.json()
     assert error["type"] == "error" and error["error"]["type"] == kind and words in error["error"]["message"]
+
+
+def test_a_prompt_over_the_context_says_so_in_anthropics_words(client):
+    # Claude Code's own pattern: it drops the oldest turns by the gap between the numbers and retries
+    long = [{"role": "user", "content": "lorem ipsum dolor " * 400}]
+    tokens = client.messages.count_tokens(model="tiny-claude", messages=long).input_tokens
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model="tiny-claude", max_tokens=5, messages=long)
+    found = re.search(r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)", caught.value.message, re.I)
+    assert found and (int(found[1]), int(found[2])) == (tokens, 1023), caught.value.message
+    assert "max_model_len is 1,024" in caught.value.message
 
 
 def test_a_wrong_key_is_anthropics_authentication_error(server):
