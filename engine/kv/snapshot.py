@@ -80,8 +80,8 @@ class KVSnapshot:
                 f.write(torch.tensor([e.tokens for _, e in entries], dtype=torch.int64).numpy().tobytes())
                 for t in self.tensors:
                     for i in range(0, len(entries), SAVE_CHUNK):
-                        ids = torch.tensor([b for b, _ in entries[i:i + SAVE_CHUNK]])
-                        f.write(t.index_select(0, ids).numpy().data)
+                        ids = torch.tensor([b for b, _ in entries[i:i + SAVE_CHUNK]], device=t.device)
+                        f.write(t.index_select(0, ids).cpu().numpy().data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
@@ -137,7 +137,7 @@ class KVSnapshot:
         offset = end + sizes[0] + sizes[1]
         for t in self.tensors:
             saved = torch.frombuffer(mm, dtype=torch.uint8, count=n * t.shape[1], offset=offset).view(n, -1)
-            t.index_copy_(0, dst, saved.index_select(0, src))
+            t.index_copy_(0, dst.to(t.device), saved.index_select(0, src).to(t.device))
             offset += n * t.shape[1]
         return len(blocks)
 
