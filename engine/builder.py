@@ -245,6 +245,11 @@ def warm_restart(engine: Engine, quantization: str) -> KVSnapshot | None:
                     "prefix_cache is off" if not cfg.prefix_cache else
                     "the prefix cache of a hybrid model is not kept across restarts")
         return None
+    try:        # a directory that cannot be made fails the start, not the save at the end
+        os.makedirs(os.path.expanduser(cfg.prefix_cache_dir), exist_ok=True)
+    except OSError as e:
+        raise ConfigError([f"prefix_cache_dir = {cfg.prefix_cache_dir!r}: {e.strerror}; name a directory "
+                           "this user can create and write"]) from None
     shape = engine.pool.shape
     fingerprint = {"weights": weights_identity(engine.model_path), "dtype": str(engine.dtype),
                    "quantization": quantization, "quant_group_size": cfg.quant_group_size,

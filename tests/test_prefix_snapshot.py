@@ -13,6 +13,7 @@ from chat_templates import HERMES, chat_model
 from server_process import ServerProcess
 
 from engine import LLM
+from engine.config import ConfigError
 from engine.kv.allocator import BlockAllocator
 from engine.kv.prefix_cache import Entry, PrefixCache
 from engine.kv.snapshot import KVSnapshot, closed_prefix
@@ -97,6 +98,22 @@ def test_a_server_saves_on_sigint_and_the_next_one_serves_from_the_file(tiny_che
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.usage.prompt_tokens_details.cached_tokens == (cold.usage.prompt_tokens - 1) // 16 * 16 > 0
     assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_a_directory_that_cannot_be_made_fails_the_start_and_a_failed_save_keeps_serving(tiny_checkpoint, tmp_path,
+                                                                                          caplog):
+    path = tiny_checkpoint("qwen3")
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(ConfigError, match="prefix_cache_dir = .*file/cache"):
+        LLM(model=str(path), prefix_cache_dir=str(blocked / "cache"), **MAKE)
+    llm = LLM(model=str(path), prefix_cache_dir=str(tmp_path / "cache"), **MAKE)
+    llm.generate([ids(40, seed=11)], GREEDY)
+    (tmp_path / "cache").rmdir()
+    (tmp_path / "cache").write_text("")       # the directory is gone when the engine stops
+    with caplog.at_level(logging.WARNING, logger="pagedserve.engine"):
+        llm.close()
+    assert "not saved" in caplog.text
 
 
 def chains(cache: PrefixCache, allocator: BlockAllocator, prompts: list[list[int]]) -> None:

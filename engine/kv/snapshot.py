@@ -67,7 +67,15 @@ class KVSnapshot:
 
     def save(self) -> int:
         """Write every cached block; returns how many. Call it with the loop stopped (no step may
-        write the pool meanwhile). The file is replaced whole or not at all."""
+        write the pool meanwhile). The file is replaced whole or not at all; a failure to write is
+        reported (the engine is stopping: there is nobody to raise to) and the old file stays."""
+        try:
+            return self._save()
+        except OSError as e:
+            log.warning("prefix cache: not saved to %s (%s)", self.path, e)
+            return 0
+
+    def _save(self) -> int:
         entries = self.allocator.cache.entries()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp, started = temp_path(self.path), time.monotonic()
