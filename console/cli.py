@@ -28,7 +28,7 @@ from engine.request import SamplingParams
 
 COMMON_ENGINE_FLAGS = ("model", "dtype", "quantization", "device", "max_concurrency", "kv_pool_tokens",
                        "block_size", "max_model_len", "compile", "threads", "kv_cache_dtype", "speculative",
-                       "draft_model", "draft_quantization")
+                       "draft_model", "draft_quantization", "prefix_cache_dir")
 
 
 class _Group(click.Group):
