@@ -211,7 +211,10 @@ def generate(ctx: click.Context, prompt: str, max_tokens: int, temperature: floa
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
                             grammar=_schema_grammar(json_schema))
     llm = _make_llm(ctx)
-    click.echo(llm.generate([prompt], params)[0].text)
+    try:
+        click.echo(llm.generate([prompt], params)[0].text)
+    finally:
+        llm.close()     # saves the prefix cache where prefix_cache_dir keeps it
 
 
 def in_terminal() -> bool:

@@ -48,6 +48,9 @@ class FakeLLM:
         self.calls.append(("generate", list(prompts), params))
         return [type("Out", (), {"text": f"echo:{prompts[0]}"})()]
 
+    def close(self):
+        self.calls.append(("close",))
+
     def chat(self, messages, params):
         self.calls.append(("chat", [dict(m) for m in messages], params))
         return type("Out", (), {"text": f"reply{len(messages)}"})()
@@ -126,8 +129,8 @@ def test_generate_passes_every_engine_key_and_sampling_values(home, fake_llm):
     llm = fake_llm.made[0]
     assert llm.kwargs == dict(vars(cfg.EngineConfig()), model="/ckpt", dtype="float32", block_size=32, compile=True, threads=2,
                               max_waiting=9, client_timeout_s=5.0)
-    (_, prompts, params), = llm.calls
-    assert prompts == ["hello"]
+    (_, prompts, params), closed = llm.calls
+    assert prompts == ["hello"] and closed == ("close",)    # closing saves a kept prefix cache
     assert (params.max_tokens, params.temperature, params.seed) == (5, 0.0, 3)
 
 
