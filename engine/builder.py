@@ -5,6 +5,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -12,7 +13,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.draft import DraftModel, check_draft
 from engine.grammar import GrammarCompiler
-from engine.kv.snapshot import KVSnapshot, weights_identity
+from engine.kv.snapshot import KVSnapshot, code_identity, weights_identity
 from engine.kv.pool import (KVPool, KVShape, StatePool, check_kv_layout, plan_num_blocks, plan_num_state_slots,
                             resolve_kv_cache_dtype)
 from engine.loading.checkpoint import open_checkpoint
@@ -254,6 +255,7 @@ def warm_restart(engine: Engine, quantization: str) -> KVSnapshot | None:
     fingerprint = {"weights": weights_identity(engine.model_path), "dtype": str(engine.dtype),
                    "quantization": quantization, "quant_group_size": cfg.quant_group_size,
                    "device": engine.device.type, "torch": torch.__version__,
+                   "code": code_identity(Path(__file__).resolve().parents[1]),
                    "kv": [shape.num_layers, shape.kv_heads, shape.head_dim, shape.block_size, str(shape.dtype)]}
     snapshot = KVSnapshot(cfg.prefix_cache_dir, fingerprint, engine.scheduler.kv.blocks,
                           [t for kv in engine.pool.layers for t in kv])

@@ -16,7 +16,7 @@ from engine import LLM
 from engine.config import ConfigError
 from engine.kv.allocator import BlockAllocator
 from engine.kv.prefix_cache import Entry, PrefixCache
-from engine.kv.snapshot import KVSnapshot, closed_prefix
+from engine.kv.snapshot import KVSnapshot, closed_prefix, code_identity
 from engine.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -114,6 +114,20 @@ def test_a_directory_that_cannot_be_made_fails_the_start_and_a_failed_save_keeps
     with caplog.at_level(logging.WARNING, logger="pagedserve.engine"):
         llm.close()
     assert "not saved" in caplog.text
+
+
+def test_the_code_identity_follows_the_kv_sources_only(tmp_path):
+    (tmp_path / "ops" / "cpu").mkdir(parents=True)
+    (tmp_path / "server").mkdir()
+    kernel, route = tmp_path / "ops" / "cpu" / "kv.h", tmp_path / "server" / "routes.py"
+    kernel.write_text("int tile = 16;")
+    route.write_text("x = 1")
+    first = code_identity(tmp_path, ("ops",))
+    route.write_text("x = 2")
+    (tmp_path / "ops" / "notes.txt").write_text("not code")
+    assert code_identity(tmp_path, ("ops",)) == first
+    kernel.write_text("int tile = 32;")
+    assert code_identity(tmp_path, ("ops",)) != first
 
 
 def chains(cache: PrefixCache, allocator: BlockAllocator, prompts: list[list[int]]) -> None:

@@ -4,8 +4,8 @@ prompts of the last run (an agent's long system prompt and tools) hit the cache 
 being computed again.
 
 A file holds one model's blocks in one K/V layout: its name is a digest of everything that decides
-what a block holds (the weights file, dtype, quantization, the K/V shapes and dtype), so models and
-settings keep files of their own side by side. A draft model's K/V is not kept: the draft reads a
+what a block holds (the weights file, dtype, quantization, the K/V shapes and dtype, the code that
+computes and lays out K/V), so models and settings keep files of their own side by side. A draft model's K/V is not kept: the draft reads a
 restored prefix like any cached one it has not read. Blocks come back as idle cached
 blocks in their old order of use, which the allocator evicts like any other; when the pool is
 smaller than the file, the most recently used blocks are kept, each with its whole chain of parents
@@ -38,6 +38,22 @@ SAVE_CHUNK = 256            # blocks gathered per write: bounds the copy a save 
 
 class SnapshotError(ValueError):
     """A snapshot file that cannot be read back (torn, from another layout); the engine starts cold."""
+
+
+# the code that decides what a K/V block holds: the model's forward up to write_kv, the kernels, the
+# quantized formats' byte layout; a file written by other code is not read back (it could hold bytes in
+# an older layout, which nothing could tell from the bytes themselves)
+KV_CODE = ("ops", "engine/models", "engine/loading")
+
+
+def code_identity(root: Path, dirs: tuple[str, ...] = KV_CODE) -> str:
+    """A digest of the sources under `dirs` of the package tree at `root`."""
+    digest = hashlib.blake2b(digest_size=16)
+    for d in dirs:
+        for f in sorted((root / d).rglob("*")):
+            if f.suffix in (".py", ".cpp", ".h") and f.is_file():
+                digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()
 
 
 def weights_identity(path: str) -> list:
