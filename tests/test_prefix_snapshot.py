@@ -177,3 +177,5 @@ def test_orphans_and_the_budget_decide_what_is_kept():
     order = [entries[2], orphan, entries[0], entries[1]]
     assert closed_prefix(order, cache.root, 10) == [2, 3, 0]
     assert closed_prefix(order, cache.root, 2) == []          # the tail needs all 3
+    looped = [Entry(b"a" * 16, b"b" * 16, ()), Entry(b"b" * 16, b"a" * 16, ())]
+    assert closed_prefix(looped, cache.root, 10) == []

@@ -65,8 +65,8 @@ def weights_identity(path: str) -> list:
 
 class KVSnapshot:
     """Saves and restores one engine's prefix cache. `tensors` are the pool's block-indexed K/V
-    tensors (every layer's k and v); `fingerprint` is what must
-    match for a file to be read back (it also names the file)."""
+    tensors (every layer's k and v); `fingerprint` is what must match for a file to be read back
+    (it also names the file)."""
 
     def __init__(self, directory: str, fingerprint: dict, allocator: BlockAllocator,
                  tensors: list[torch.Tensor]) -> None:
@@ -173,13 +173,14 @@ def closed_prefix(entries: list[Entry], root: bytes, budget: int) -> list[int]:
     kept: dict[int, None] = {}
     for i in range(len(entries)):
         chain, j = [], i
-        while j not in kept and len(chain) <= len(entries):     # (a corrupt file could hold a cycle)
+        while j not in kept:
             chain.append(j)
             parent = entries[j].parent
             if parent == root:
                 break
             j = index.get(parent)
-            if j is None:           # an orphan (its parent was evicted before the save)
+            # an orphan (its parent was evicted before the save), or a cycle only a corrupt file holds
+            if j is None or len(chain) > len(entries):
                 chain = []
                 break
         if len(kept) + len(chain) > budget:
