@@ -130,6 +130,19 @@ def test_the_code_identity_follows_the_kv_sources_only(tmp_path):
     assert code_identity(tmp_path, ("ops",)) != first
 
 
+def test_a_save_removes_this_models_files_from_other_code_only(tmp_path):
+    def saved(**fingerprint):
+        snapshot = KVSnapshot(str(tmp_path), fingerprint, BlockAllocator(2, PrefixCache(4)), [torch.zeros(2, 4, 8)])
+        snapshot.save()
+        return snapshot.path
+
+    old_code, other_model = saved(model="a", code="1"), saved(model="b", code="1")
+    junk = tmp_path / "junk.kv"
+    junk.write_bytes(b"not a cache")
+    new_code = saved(model="a", code="2", torch="9")
+    assert sorted(tmp_path.iterdir()) == sorted([other_model, junk, new_code]) and not old_code.exists()
+
+
 def chains(cache: PrefixCache, allocator: BlockAllocator, prompts: list[list[int]]) -> None:
     """Index each prompt's full blocks as computed, then let them go (as a finished request does)."""
     for tokens in prompts:

@@ -34,6 +34,8 @@ from engine.kv.prefix_cache import Entry
 log = logging.getLogger("pagedserve.engine")
 MAGIC = b"pagedserve-kv-1\n"
 SAVE_CHUNK = 256            # blocks gathered per write: bounds the copy a save makes
+HEADER_MAX = 1 << 20        # read at most this much of another file to find its fingerprint
+CODE_KEYS = ("code", "torch")   # fingerprint keys that an upgrade changes for the same model and layout
 
 
 class SnapshotError(ValueError):
@@ -112,9 +114,26 @@ class KVSnapshot:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        self._drop_superseded()
         log.info("prefix cache: saved %d blocks to %s in %.1f s", len(entries), self.path,
                  time.monotonic() - started)
         return len(entries)
+
+    def _drop_superseded(self) -> None:
+        """Delete this model's files that other code or another torch wrote (an upgrade left them):
+        they can never be read back, and each is as large as the cache."""
+        mine = {k: v for k, v in self.fingerprint.items() if k not in CODE_KEYS}
+        for other in self.path.parent.glob("*.kv"):
+            if other == self.path:
+                continue
+            try:
+                with open(other, "rb") as f:
+                    theirs = read_header(f.read(len(MAGIC) + 8) + f.read(HEADER_MAX))[0].get("fingerprint")
+            except (OSError, SnapshotError):
+                continue
+            if isinstance(theirs, dict) and {k: v for k, v in theirs.items() if k not in CODE_KEYS} == mine:
+                other.unlink(missing_ok=True)
+                log.info("prefix cache: removed %s, written by other code for this model", other)
 
     def load(self) -> int:
         """Read the file back into free blocks, if there is one for this fingerprint; returns how
@@ -133,14 +152,10 @@ class KVSnapshot:
         return n
 
     def _restore(self, mm: mmap.mmap) -> int:
-        if mm[:len(MAGIC)] != MAGIC:
-            raise SnapshotError("not a pagedserve prefix-cache file")
-        at = len(MAGIC) + 8
-        end = at + int.from_bytes(mm[len(MAGIC):at], "little")
+        header, end = read_header(mm)
         try:
-            header = json.loads(mm[at:end])
             n, bs = int(header["blocks"]), int(header["block_size"])
-        except (ValueError, KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise SnapshotError(f"unreadable header: {e}") from None
         expected = json.loads(self._header(n))
         if header != expected:
@@ -164,6 +179,21 @@ class KVSnapshot:
             t.index_copy_(0, dst.to(t.device), saved.index_select(0, src).to(t.device))
             offset += n * t.shape[1]
         return len(blocks)
+
+
+def read_header(buf) -> tuple[dict, int]:
+    """The JSON header at the start of a file's bytes (mapped or read) and where the arrays begin."""
+    if buf[:len(MAGIC)] != MAGIC:
+        raise SnapshotError("not a pagedserve prefix-cache file")
+    at = len(MAGIC) + 8
+    end = at + int.from_bytes(buf[len(MAGIC):at], "little")
+    try:
+        header = json.loads(buf[at:end])
+    except ValueError as e:
+        raise SnapshotError(f"unreadable header: {e}") from None
+    if not isinstance(header, dict):
+        raise SnapshotError("unreadable header: not an object")
+    return header, end
 
 
 def closed_prefix(entries: list[Entry], root: bytes, budget: int) -> list[int]:
