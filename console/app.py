@@ -13,6 +13,8 @@ first takes a queued message back into the prompt box, and only then stops the r
 """
 from __future__ import annotations
 
+import asyncio
+import signal
 import threading
 import uuid
 from collections.abc import Callable
@@ -110,6 +112,9 @@ class ConsoleApp(App):
         self.set_interval(FRAME_S, self._frame)
         self.set_interval(POLL_S, self._poll)
         self._in_thread(self._connect)
+        if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:   # nohup's SIG_IGN stays
+            # a closed terminal quits as ctrl+q does: sessions saved, the engine (and prefix cache) closed
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.call_next, self.action_quit)
 
     # -- threads (never touch widgets; answer with post_message)
     def _in_thread(self, fn: Callable[[], None]) -> None:

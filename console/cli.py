@@ -263,7 +263,7 @@ def chat(ctx: click.Context, url: str | None, api_key: str | None, temperature: 
 def serve(ctx: click.Context, **_keys: Any) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (loopback unless --host says otherwise).
 
-    /health answers 503 while the model loads. SIGINT/SIGTERM drain: queued requests get 503,
+    /health answers 503 while the model loads. SIGINT/SIGTERM/SIGHUP drain: queued requests get 503,
     running ones finish, then the server exits 0."""
     ctx.obj.require()  # a broken config file fails before torch is loaded
     engine_cfg = cfg.EngineConfig(**section_values(ctx, cfg.EngineConfig))

@@ -21,6 +21,12 @@ def temp_path(target: Path) -> Path:
     return target.with_name(f".{target.name[:100]}.{os.getpid()}-{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}")
 
 
+def temp_writer(tmp: Path) -> int | None:
+    """The process id in a name `temp_path` gave (None for another name)."""
+    pid = tmp.name.rpartition(".")[0].rpartition(".")[2].partition("-")[0]
+    return int(pid) if pid.isdigit() else None
+
+
 def write_atomic(path: str | Path, data: str | bytes, *, encoding: str = "utf-8") -> None:
     """Replace `path`'s content with `data` (text is encoded with `encoding`). A symlink keeps pointing
     at the file, which is the one replaced; an existing file keeps its permission bits (a config that

@@ -147,9 +147,10 @@ class Engine:
         return self.model.linears.describe()
 
     def close(self) -> None:
-        """Stop the loop (what is live is cancelled), then save the prefix cache where it is kept."""
+        """Stop the loop (what is live is cancelled), then save the prefix cache where it is kept,
+        unless the file holds it already."""
         self.loop.stop()
-        if self.snapshot is not None:
+        if self.snapshot is not None and self.snapshot.changed:
             self.snapshot.save()
 
 
@@ -258,6 +259,7 @@ def warm_restart(engine: Engine, quantization: str) -> KVSnapshot | None:
                    "code": code_identity(Path(__file__).resolve().parents[1]),
                    "kv": [shape.num_layers, shape.kv_heads, shape.head_dim, shape.block_size, str(shape.dtype)]}
     snapshot = KVSnapshot(cfg.prefix_cache_dir, fingerprint, engine.scheduler.kv.blocks,
-                          [t for kv in engine.pool.layers for t in kv])
+                          [t for kv in engine.pool.layers for t in kv], cfg.prefix_cache_save_interval_s)
     snapshot.load()
+    engine.loop.on_idle = snapshot.save_when_idle
     return snapshot

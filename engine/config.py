@@ -73,6 +73,12 @@ class EngineConfig:
     prefix_cache_dir: str = _key("", "a directory path (empty = the cache is not kept)", lambda v: True,
                                  "keep the prefix cache across restarts: saved here when the engine stops, read back "
                                  "when it starts (one file per model and K/V layout; attention-only models)")
+    prefix_cache_save_interval_s: float = _key(300.0, "a number >= 0 (seconds; 0 = only when the engine stops)",
+                                               lambda v: v >= 0,
+                                               "with prefix_cache_dir, also save while the engine is idle, at most this "
+                                               "often and only when the cache gained blocks, so a crash loses at most "
+                                               "this long of it; a request that comes stops the save until the next idle "
+                                               "moment; 0 = only when the engine stops")
     speculative: str = _choice("none", ("none", "ngram", "draft"), "speculative decoding, verified in the same step (greedy output is unchanged): "
                                "ngram = the tokens that followed an earlier occurrence of the latest ones (prompt lookup), draft = what draft_model proposes")
     draft_model: str = _key("", "a preset name, a checkpoint dir or a .gguf file (empty = none)", lambda v: True,

@@ -11,6 +11,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from engine.detokenize import IncrementalDetokenizer
 from engine.grammar import GrammarCompiler, GrammarError
@@ -54,6 +55,9 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._stepper: int | None = None       # ident of the thread inside run(), if any
+        # called by run() when nothing is live or queued, with a test for a submission that came
+        # since, which should end it soon (the prefix cache's idle save)
+        self.on_idle: Callable[[Callable[[], bool]], None] | None = None
 
     # -- client API (any thread)
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
@@ -244,6 +248,8 @@ class EngineLoop:
             if not self._live and not self._commands.empty():
                 self._gather_burst(until)
             if not self.run_once():
+                if self.on_idle is not None and not self._live and not self._unfinished:
+                    self.on_idle(lambda: self._unfinished > 0)
                 # idle: sleep until a command arrives or a reader drains (paused requests resume)
                 self._wakeup.wait(timeout=0.05 if self._live else 1.0)
                 self._wakeup.clear()

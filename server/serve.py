@@ -1,4 +1,4 @@
-"""Run the app under uvicorn until SIGINT/SIGTERM, then shut down in order: stop admitting, answer
+"""Run the app under uvicorn until SIGINT/SIGTERM/SIGHUP, then shut down in order: stop admitting, answer
 queued requests 503, let running ones finish (cancelled after a grace period), exit 0. While it
 drains it still listens, so /health answers 503 "draining" and new requests a 503 instead of a
 refused connection; a second SIGINT stops at once."""
@@ -61,5 +61,9 @@ def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
                             timeout_graceful_shutdown=10, log_level="info", log_config=log_config,
                             http=header_deadline_protocol(server_cfg.header_timeout_s))
     server = _Server(config, app.state.host)
+    # a closed terminal stops the server as SIGTERM does (the prefix cache is saved); under nohup the
+    # signal stays ignored
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, server.handle_exit)
     server.run()
     return 1 if app.state.host.load_error else 0

@@ -131,3 +131,36 @@ def test_chat_streams_queues_and_esc_takes_back_then_stops(tiny_checkpoint, tmp_
         assert turns[-1]["stats"]["cached"] > 0     # the second request began with the first one's prompt
     finally:
         subprocess.run(["tmux", "-S", str(tmux.socket), "kill-server"], capture_output=True)
+
+
+def running(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()   # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_a_closed_terminal_quits_like_ctrl_q_and_keeps_the_prefix_cache(tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint()
+    pagedserve = Path(sys.executable).parent / "pagedserve"
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data"), "XDG_CONFIG_HOME": str(tmp_path / "config"),
+           "TERM": "xterm-256color", "PAGEDSERVE_THREADS": "1", "PAGEDSERVE_CPU_KERNELS": "0"}
+    cache = tmp_path / "cache"
+    chat = (f"exec {shlex.quote(str(pagedserve))} chat --model {shlex.quote(str(checkpoint))} --dtype float32 "
+            f"--temperature 0 --max-tokens 8 --prefix-cache-dir {shlex.quote(str(cache))}")
+    tmux = Tmux(tmp_path / "tmux.sock")
+    subprocess.run(["tmux", "-S", str(tmux.socket), "new-session", "-d", "-s", "chat", "-x", "110", "-y", "36",
+                    "-c", str(tmp_path), chat], check=True, env=env, timeout=10)
+    try:
+        pid = int(tmux("display-message", "-p", "-t", "chat", "#{pane_pid}"))
+        tmux.wait_for(lambda s: PLACEHOLDER in s and "loading" not in s, 120, "the model to load")
+        tmux("send-keys", "-t", "chat", FIB, "Enter")
+        tmux.wait_for(lambda s: "tokens ·" in (last_reply(s) or ""), 60, "the reply to end")
+        assert not list(cache.glob("*.kv"))     # written when the engine stops
+    finally:
+        subprocess.run(["tmux", "-S", str(tmux.socket), "kill-server"], capture_output=True)   # SIGHUP
+    deadline = time.monotonic() + 30
+    while running(pid):
+        assert time.monotonic() < deadline, f"the console outlived its terminal by 30 s:\n{process_report()}"
+        time.sleep(0.2)
+    assert len(list(cache.glob("*.kv"))) == 1

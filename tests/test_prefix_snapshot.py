@@ -4,7 +4,10 @@ engine gives; any other file is left alone and the engine starts cold."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import subprocess
+import time
 
 import openai
 import pytest
@@ -13,6 +16,7 @@ from chat_templates import HERMES, chat_model
 from server_process import ServerProcess
 
 from engine import LLM
+from engine.atomic_file import temp_path
 from engine.config import ConfigError
 from engine.kv.allocator import BlockAllocator
 from engine.kv.prefix_cache import Entry, PrefixCache
@@ -78,26 +82,88 @@ def test_a_damaged_file_is_reported_and_the_engine_serves_cold(tiny_checkpoint, 
     assert hit.cached_tokens == 32
 
 
-def test_a_server_saves_on_sigint_and_the_next_one_serves_from_the_file(tiny_checkpoint, tmp_path_factory, tmp_path):
-    model = chat_model(tmp_path_factory, tiny_checkpoint, "tiny-warm", HERMES)
-    ask = dict(model="tiny-warm", max_tokens=4, temperature=0,
-               messages=[{"role": "system", "content": "You review diffs. " * 10},
-                         {"role": "user", "content": "Is this fine?"}])
-    replies = []
-    for run in range(2):
-        srv = ServerProcess(model, "--prefix-cache-dir", str(tmp_path / "cache"), workdir=tmp_path)
-        try:
-            srv.wait_ready()
-            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
-            replies.append(client.chat.completions.create(**ask))
-        finally:
-            status = srv.stop(signal.SIGINT)         # closes the log
-        log = (tmp_path / f"server-{srv.port}.log").read_text()
-        assert status == 0 and "prefix cache: saved" in log, log
-    cold, warm = replies
+ASK = dict(model="tiny-warm", max_tokens=4, temperature=0,
+           messages=[{"role": "system", "content": "You review diffs. " * 10},
+                     {"role": "user", "content": "Is this fine?"}])
+
+
+def ask(srv: ServerProcess):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none").chat.completions.create(**ASK)
+
+
+def assert_warm(cold, warm) -> None:
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.usage.prompt_tokens_details.cached_tokens == (cold.usage.prompt_tokens - 1) // 16 * 16 > 0
     assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_a_server_saves_when_its_terminal_closes_and_the_next_one_serves_from_the_file(
+        tiny_checkpoint, tmp_path_factory, tmp_path):
+    model = chat_model(tmp_path_factory, tiny_checkpoint, "tiny-warm", HERMES)
+    replies, logs = [], []
+    for stop in (signal.SIGHUP, signal.SIGINT):
+        srv = ServerProcess(model, "--prefix-cache-dir", str(tmp_path / "cache"), workdir=tmp_path)
+        try:
+            srv.wait_ready()
+            replies.append(ask(srv))
+        finally:
+            status = srv.stop(stop)         # closes the log
+        logs.append((tmp_path / f"server-{srv.port}.log").read_text())
+        assert status == 0, logs[-1]
+    assert "prefix cache: saved" in logs[0], logs[0]
+    # the second server computed nothing the file did not hold: it leaves the file as it is
+    assert "prefix cache: restored" in logs[1] and "prefix cache: saved" not in logs[1], logs[1]
+    assert_warm(*replies)
+
+
+def test_a_killed_server_comes_back_warm_from_its_idle_save(tiny_checkpoint, tmp_path_factory, tmp_path):
+    model = chat_model(tmp_path_factory, tiny_checkpoint, "tiny-warm", HERMES)
+    cache = ["--prefix-cache-dir", str(tmp_path / "cache")]
+    srv = ServerProcess(model, *cache, "--prefix-cache-save-interval-s", "0.1", workdir=tmp_path)
+    try:
+        srv.wait_ready()
+        cold = ask(srv)
+        log, deadline = tmp_path / f"server-{srv.port}.log", time.monotonic() + 60
+        while "prefix cache: saved" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        srv.stop(signal.SIGKILL)            # no clean stop: only the idle save kept anything
+    with ServerProcess(model, *cache, workdir=tmp_path) as srv:
+        assert_warm(cold, ask(srv))
+
+
+def test_an_idle_save_waits_its_interval_and_stops_for_a_request(tmp_path):
+    bs, dims = 4, (3, 5)
+    cache, pools = PrefixCache(bs), [torch.randn(16, bs, *dims), torch.randn(16, bs, *dims)]
+    allocator = BlockAllocator(16, cache)
+    snapshot = KVSnapshot(str(tmp_path), {"t": 1}, allocator, pools, interval_s=0.05)
+    snapshot.save_when_idle(lambda: False)
+    assert not snapshot.path.exists()           # nothing cached yet
+    chains(cache, allocator, [ids(8, seed=1)])
+    snapshot.save_when_idle(lambda: False)
+    assert not snapshot.path.exists()           # the interval has not passed since the engine started
+    time.sleep(0.06)
+    answers = iter([False, True])               # a request comes after the first pool's blocks
+    snapshot.save_when_idle(lambda: next(answers))
+    assert list(tmp_path.iterdir()) == [] and snapshot.changed
+    snapshot.save_when_idle(lambda: False)      # the next idle moment
+    snapshot.wait()
+    assert snapshot.path.exists() and not snapshot.changed
+    written = snapshot.path.stat().st_ino
+    time.sleep(0.06)
+    snapshot.save_when_idle(lambda: False)      # unchanged: not written again
+    snapshot.wait()
+    assert snapshot.path.stat().st_ino == written
+    back = [torch.zeros_like(p) for p in pools]
+    restored = BlockAllocator(16, PrefixCache(bs))
+    assert KVSnapshot(str(tmp_path), {"t": 1}, restored, back).load() == 2
+    for b, e in restored.cache.entries():
+        src = next(a for a, f in cache.entries() if f == e)
+        assert all(torch.equal(x[b], p[src]) for x, p in zip(back, pools))
+    never = KVSnapshot(str(tmp_path / "never"), {"t": 1}, allocator, pools)    # interval 0
+    time.sleep(0.01)
+    never.save_when_idle(lambda: False)
+    assert not never.path.exists()
 
 
 def test_a_directory_that_cannot_be_made_fails_the_start_and_a_failed_save_keeps_serving(tiny_checkpoint, tmp_path,
@@ -139,8 +205,17 @@ def test_a_save_removes_this_models_files_from_other_code_only(tmp_path):
     old_code, other_model = saved(model="a", code="1"), saved(model="b", code="1")
     junk = tmp_path / "junk.kv"
     junk.write_bytes(b"not a cache")
-    new_code = saved(model="a", code="2", torch="9")
-    assert sorted(tmp_path.iterdir()) == sorted([other_model, junk, new_code]) and not old_code.exists()
+    new_code = KVSnapshot(str(tmp_path), dict(model="a", code="2", torch="9"), BlockAllocator(2, PrefixCache(4)),
+                          []).path
+    # temporary files of saves: one a killed process left, one a live process is writing
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    killed, live = temp_path(new_code), temp_path(new_code)
+    killed = killed.with_name(killed.name.replace(f".{os.getpid()}-", f".{dead.pid}-"))
+    killed.write_bytes(b"half")
+    live.write_bytes(b"half")
+    assert saved(model="a", code="2", torch="9") == new_code
+    assert sorted(tmp_path.iterdir()) == sorted([other_model, junk, new_code, live]) and not old_code.exists()
 
 
 def chains(cache: PrefixCache, allocator: BlockAllocator, prompts: list[list[int]]) -> None:

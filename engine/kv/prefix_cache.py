@@ -65,6 +65,7 @@ class PrefixCache:
         self._entries: dict[int, Entry] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()     # least recently used first
         self.evictions = 0
+        self.additions = 0      # blocks ever indexed: a changed count means a changed cache
 
     @property
     def num_cached(self) -> int:
@@ -114,6 +115,7 @@ class PrefixCache:
             return False
         self._by_hash[entry.hash] = block
         self._entries[block] = entry
+        self.additions += 1
         return True
 
     def entries(self) -> list[tuple[int, Entry]]:

@@ -9,7 +9,8 @@ computes and lays out K/V), so models and settings keep files of their own side 
 restored prefix like any cached one it has not read. Blocks come back as idle cached
 blocks in their old order of use, which the allocator evicts like any other; when the pool is
 smaller than the file, the most recently used blocks are kept, each with its whole chain of parents
-(a block is found only after its parents).
+(a block is found only after its parents). A file is also written while the engine is idle, at most
+every `interval_s` and only when the cache gained blocks, so a crash loses at most that much of it.
 
 Layout: MAGIC, the header's length (8 bytes, little endian), the JSON header, then n entries of
 16-byte hash + 16-byte parent hash, n x block_size int64 token ids, and per pool tensor (header
@@ -22,12 +23,14 @@ import json
 import logging
 import mmap
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from engine.atomic_file import temp_path
+from engine.atomic_file import TEMP_SUFFIX, temp_path, temp_writer
 from engine.kv.allocator import BlockAllocator
 from engine.kv.prefix_cache import Entry
 
@@ -40,6 +43,10 @@ CODE_KEYS = ("code", "torch")   # fingerprint keys that an upgrade changes for t
 
 class SnapshotError(ValueError):
     """A snapshot file that cannot be read back (torn, from another layout); the engine starts cold."""
+
+
+class _PutOff(Exception):
+    """An idle save stopped because a request came: the engine steps again, the save waits."""
 
 
 # the code that decides what a K/V block holds: the model's forward up to write_kv, the kernels, the
@@ -68,35 +75,73 @@ def weights_identity(path: str) -> list:
 class KVSnapshot:
     """Saves and restores one engine's prefix cache. `tensors` are the pool's block-indexed K/V
     tensors (every layer's k and v); `fingerprint` is what must match for a file to be read back
-    (it also names the file)."""
+    (it also names the file); `interval_s`: how often at most an idle engine saves (0: only when
+    it stops)."""
 
     def __init__(self, directory: str, fingerprint: dict, allocator: BlockAllocator,
-                 tensors: list[torch.Tensor]) -> None:
+                 tensors: list[torch.Tensor], interval_s: float = 0.0) -> None:
         self.fingerprint = fingerprint
+        self.interval_s = interval_s
         digest = hashlib.blake2b(json.dumps(fingerprint, sort_keys=True).encode(), digest_size=8).hexdigest()
         self.path = Path(directory).expanduser() / f"{digest}.kv"
         self.allocator = allocator
         self.tensors = [t.view(torch.uint8).view(t.shape[0], -1) for t in tensors]   # a block = one row of bytes
+        self._saved = (time.monotonic(), allocator.cache.additions)    # when, and the cache's count then
+        self._syncing: threading.Thread | None = None                  # an idle save's fsync and rename
 
     def _header(self, n: int) -> bytes:
         layout = [[t.shape[1]] for t in self.tensors]
         return json.dumps({"fingerprint": self.fingerprint, "blocks": n,
                            "block_size": self.allocator.cache.block_size, "layout": layout}).encode()
 
+    @property
+    def changed(self) -> bool:
+        """The cache gained blocks since the file was last written or read."""
+        return self.allocator.cache.additions != self._saved[1]
+
     def save(self) -> int:
         """Write every cached block; returns how many. Call it with the loop stopped (no step may
         write the pool meanwhile). The file is replaced whole or not at all; a failure to write is
         reported (the engine is stopping: there is nobody to raise to) and the old file stays."""
+        self.wait()
         try:
-            return self._save()
+            return self._commit(*self._write(lambda: False))
         except OSError as e:
             log.warning("prefix cache: not saved to %s (%s)", self.path, e)
             return 0
 
-    def _save(self) -> int:
+    def save_when_idle(self, busy: Callable[[], bool]) -> None:
+        """The engine loop's idle hook (the loop thread, no step running): write the file if the
+        cache changed and `interval_s` has passed since the last write. A request that comes
+        meanwhile (`busy()`) stops the write between two pieces and the next idle moment starts it
+        again; the fsync and rename run on a thread of their own, so the engine steps meanwhile."""
+        if not self.interval_s or not self.changed or time.monotonic() < self._saved[0] + self.interval_s:
+            return
+        self.wait()
+        try:
+            written = self._write(busy)
+        except _PutOff:
+            return
+        except OSError as e:
+            self._saved = (time.monotonic(), self._saved[1])    # tried again after the interval
+            log.warning("prefix cache: not saved to %s (%s)", self.path, e)
+            return
+        self._syncing = threading.Thread(target=self._commit_logged, args=written, name="pagedserve-kv-save")
+        self._syncing.start()
+
+    def wait(self) -> None:
+        """Wait for an idle save's fsync and rename to end."""
+        if self._syncing is not None:
+            self._syncing.join()
+            self._syncing = None
+
+    def _write(self, busy: Callable[[], bool]) -> tuple[Path, int, int, float]:
+        """The file's bytes into a temporary file (not synced); returns it, the block count, the
+        cache's addition count it holds and when it started."""
+        started, additions = time.monotonic(), self.allocator.cache.additions
         entries = self.allocator.cache.entries()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp, started = temp_path(self.path), time.monotonic()
+        tmp = temp_path(self.path)
         header = self._header(len(entries))
         header += b" " * (-(len(MAGIC) + 8 + len(header)) % 64)     # aligns the arrays after it
         try:
@@ -106,22 +151,40 @@ class KVSnapshot:
                 f.write(torch.tensor([e.tokens for _, e in entries], dtype=torch.int64).numpy().tobytes())
                 for t in self.tensors:
                     for i in range(0, len(entries), SAVE_CHUNK):
+                        if busy():
+                            raise _PutOff
                         ids = torch.tensor([b for b, _ in entries[i:i + SAVE_CHUNK]], device=t.device)
                         f.write(t.index_select(0, ids).cpu().numpy().data)
-                f.flush()
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp, len(entries), additions, started
+
+    def _commit(self, tmp: Path, n: int, additions: int, started: float) -> int:
+        """Sync the written file and put it in place of the old one."""
+        try:
+            with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        self._saved = (time.monotonic(), additions)
         self._drop_superseded()
-        log.info("prefix cache: saved %d blocks to %s in %.1f s", len(entries), self.path,
-                 time.monotonic() - started)
-        return len(entries)
+        log.info("prefix cache: saved %d blocks to %s in %.1f s", n, self.path, time.monotonic() - started)
+        return n
+
+    def _commit_logged(self, *written) -> None:
+        try:
+            self._commit(*written)
+        except OSError as e:
+            self._saved = (time.monotonic(), self._saved[1])
+            log.warning("prefix cache: not saved to %s (%s)", self.path, e)
 
     def _drop_superseded(self) -> None:
         """Delete this model's files that other code or another torch wrote (an upgrade left them):
-        they can never be read back, and each is as large as the cache."""
+        they can never be read back, and each is as large as the cache; and the temporary files of
+        this file's saves that a killed process left."""
         mine = {k: v for k, v in self.fingerprint.items() if k not in CODE_KEYS}
         for other in self.path.parent.glob("*.kv"):
             if other == self.path:
@@ -134,6 +197,9 @@ class KVSnapshot:
             if isinstance(theirs, dict) and {k: v for k, v in theirs.items() if k not in CODE_KEYS} == mine:
                 other.unlink(missing_ok=True)
                 log.info("prefix cache: removed %s, written by other code for this model", other)
+        for tmp in self.path.parent.glob(f".{self.path.name}.*{TEMP_SUFFIX}"):
+            if not _running(temp_writer(tmp)):
+                tmp.unlink(missing_ok=True)
 
     def load(self) -> int:
         """Read the file back into free blocks, if there is one for this fingerprint; returns how
@@ -148,6 +214,7 @@ class KVSnapshot:
         except (OSError, SnapshotError) as e:
             log.warning("prefix cache: %s not restored (%s); starting with an empty cache", self.path, e)
             return 0
+        self._saved = (time.monotonic(), self.allocator.cache.additions)
         log.info("prefix cache: restored %d blocks from %s in %.1f s", n, self.path, time.monotonic() - started)
         return n
 
@@ -179,6 +246,18 @@ class KVSnapshot:
             t.index_copy_(0, dst.to(t.device), saved.index_select(0, src).to(t.device))
             offset += n * t.shape[1]
         return len(blocks)
+
+
+def _running(pid: int | None) -> bool:
+    if pid is None:
+        return True         # not a name temp_path gives: not ours to delete
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass                # another user's process
+    return True
 
 
 def read_header(buf) -> tuple[dict, int]:
