@@ -7,6 +7,7 @@ check fails. It also prints the server's RSS at the start, after each window and
     .venv/bin/python bench/soak.py                        # 20 minutes on a tiny random checkpoint
     .venv/bin/python bench/soak.py --minutes 2 --window-minutes 0.5 --rate 4
     .venv/bin/python bench/soak.py --model smollm2-135m --rate 0.5
+    .venv/bin/python bench/soak.py --minutes 3 --serve-args "--prefix-cache-dir /tmp/soak-cache --prefix-cache-save-interval-s 0.2"
 
 Timings on a shared CPU move with whatever else runs: read the drift line next to the machine's load.
 """
@@ -54,6 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads (default 1: the "
                    "load generator needs the other core)")
     p.add_argument("--workdir", type=Path, default=None, help="where the model and the server log go")
+    p.add_argument("--serve-args", default="", help="more `pagedserve serve` flags, as one shell-quoted string")
     return p.parse_args(argv)
 
 
@@ -64,7 +66,7 @@ def start_server(args: argparse.Namespace, workdir: Path) -> ServerProcess:
         from tiny_models import make_checkpoint
         model, dtype = make_checkpoint(workdir / "tiny-qwen3", "qwen3", **TINY), "float32"
     server = ServerProcess(model, "--max-concurrency", str(args.max_concurrency), "--threads", str(args.threads),
-                           "--served-model-name", MODEL,
+                           "--served-model-name", MODEL, *shlex.split(args.serve_args),
                            dtype=dtype, max_model_len=args.max_model_len, kv_pool_tokens=args.kv_pool_tokens,
                            workdir=workdir)
     try:
