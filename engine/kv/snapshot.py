@@ -117,7 +117,8 @@ class KVSnapshot:
         again; the fsync and rename run on a thread of their own, so the engine steps meanwhile."""
         if not self.interval_s or not self.changed or time.monotonic() < self._saved[0] + self.interval_s:
             return
-        self.wait()
+        if self._syncing is not None and self._syncing.is_alive():
+            return      # the last save is still syncing: a request should not wait for that
         try:
             written = self._write(busy)
         except _PutOff:
