@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import openai
@@ -216,6 +217,28 @@ def test_a_save_removes_this_models_files_from_other_code_only(tmp_path):
     live.write_bytes(b"half")
     assert saved(model="a", code="2", torch="9") == new_code
     assert sorted(tmp_path.iterdir()) == sorted([other_model, junk, new_code, live]) and not old_code.exists()
+
+
+def test_an_idle_save_does_not_wait_for_the_last_ones_sync(tmp_path, monkeypatch):
+    cache, pool = PrefixCache(4), torch.randn(16, 4, 3, 5)
+    allocator = BlockAllocator(16, cache)
+    snapshot = KVSnapshot(str(tmp_path), {"t": 1}, allocator, [pool], interval_s=0.01)
+    release, fsync = threading.Event(), os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (release.wait(30), fsync(fd)))   # a slow disk
+    chains(cache, allocator, [ids(8, seed=1)])
+    time.sleep(0.02)
+    snapshot.save_when_idle(lambda: False)          # written; its sync holds
+    chains(cache, allocator, [ids(8, seed=2)])
+    time.sleep(0.02)
+    snapshot.save_when_idle(lambda: False)          # returns at once: no second file is begun
+    assert len(list(tmp_path.iterdir())) == 1 and not snapshot.path.exists()
+    release.set()
+    snapshot.wait()
+    assert snapshot.path.exists() and snapshot.changed      # the second prompt's blocks are not in it
+    time.sleep(0.02)
+    snapshot.save_when_idle(lambda: False)
+    snapshot.wait()
+    assert not snapshot.changed
 
 
 def chains(cache: PrefixCache, allocator: BlockAllocator, prompts: list[list[int]]) -> None:
