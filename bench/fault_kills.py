@@ -1,6 +1,6 @@
 """SIGKILL at random moments, for the fault suite (bench/faults.py): a server killed during its first
 GGUF conversion or in the middle of streams, and writer processes killed while they replace a
-session file, a config file or a preset pull's state. After each kill the persisted files must hold
+session file, a config file, a prefix-cache snapshot or a preset pull's state. After each kill the persisted files must hold
 the old content or the new, never a torn mix, and the next start must serve (rebuilding what the
 kill interrupted, cleaning up what it left). Each function returns one line per kill and the
 problems it found (empty: all good)."""
@@ -18,9 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import torch
 
 from console.sessions import Session, SessionStore, Turn
-from engine.config import set_in_file
+from engine.config_file import set_in_file
+from engine.kv.allocator import BlockAllocator
+from engine.kv.prefix_cache import PrefixCache
+from engine.kv.snapshot import KVSnapshot
 from engine.loading.gguf import BUILD_TAG, HASH_INDEX, MARKER
 from engine.loading.presets import PRESETS, pull, pulled_path
 from server_process import ServerProcess
@@ -253,9 +257,48 @@ def _check_config(target: Path) -> str:
         f"torn: threads = {threads!r}, {len(text)} bytes"
 
 
+SNAPSHOT_BLOCKS = 64
+
+
+def _snapshot(target: Path, n: int) -> tuple[KVSnapshot, list[torch.Tensor]]:
+    """A 64-block prefix cache (4 MiB of K/V) whose token ids and bytes both say version n."""
+    cache = PrefixCache(16)
+    allocator = BlockAllocator(SNAPSHOT_BLOCKS, cache)
+    tokens = [3 + n % 1000] * (16 * SNAPSHOT_BLOCKS)
+    chain = cache.chain()
+    chain.extend(tokens)
+    handles = allocator.allocate(SNAPSHOT_BLOCKS)
+    for i, h in enumerate(handles):
+        cache.insert(h.block_id, chain, i, tokens)
+    allocator.free(handles)
+    pools = [torch.full((SNAPSHOT_BLOCKS, 16, 2, 128), float(n % 251), dtype=torch.bfloat16) for _ in range(8)]
+    return KVSnapshot(str(target), {"fault": 1}, allocator, pools), pools
+
+
+def _write_snapshot(target: Path, n: int) -> None:
+    torch.set_num_threads(1)        # a forked child must not enter the parent's OpenMP pool
+    _snapshot(target, n)[0].save()
+
+
+def _check_snapshot(target: Path) -> str:
+    pools = [torch.zeros((SNAPSHOT_BLOCKS, 16, 2, 128), dtype=torch.bfloat16) for _ in range(8)]
+    snapshot = KVSnapshot(str(target), {"fault": 1}, BlockAllocator(SNAPSHOT_BLOCKS, PrefixCache(16)),
+                          pools)
+    if snapshot.load() != SNAPSHOT_BLOCKS:
+        return "torn: not read back whole"
+    versions = {e.tokens[0] - 3 for _, e in snapshot.allocator.cache.entries()}
+    values = {float(v) for t in snapshot.tensors for v in t.view(torch.bfloat16).unique()}
+    if len(versions) != 1 or values != {float(versions.pop() % 251)}:
+        return f"torn: blocks of versions {sorted(versions)} hold {sorted(values)}"
+    snapshot.save()         # the next save removes the temp file the killed one left
+    left = [f.name for f in target.iterdir() if f.name != snapshot.path.name]
+    return f"whole, but the next save left {left}" if left else "whole"
+
+
 WRITERS: dict[str, tuple[Callable[[Path, int], None], Callable[[Path], str]]] = {
     "session": (_write_session, _check_session),
     "config": (_write_config, _check_config),
+    "snapshot": (_write_snapshot, _check_snapshot),
     "control": (_write_session_in_place, _check_session),
 }
 

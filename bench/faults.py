@@ -1,6 +1,6 @@
 """The fault suite, run on demand: processes killed with SIGKILL at random moments (a server during
-its first GGUF conversion and in mid-stream; writers of session files, config files and preset
-pulls) and steps that raise through the debug hook. It prints every kill and what it left behind,
+its first GGUF conversion and in mid-stream; writers of session files, config files, prefix-cache
+snapshots and preset pulls) and steps that raise through the debug hook. It prints every kill and what it left behind,
 and exits 1 if any persisted file was torn, a restart did not serve, or a failed step left anything
 in use. bench/fault_kills.py and bench/fault_steps.py hold the checks.
 
@@ -28,7 +28,7 @@ import fault_kills  # noqa: E402
 from fault_steps import step_failures  # noqa: E402
 
 SHARED_GGUF = BENCH.parent.parent / "shared" / "testdata" / "gguf" / "qwen2-K-Q8_0.gguf"
-SUITES = ("gguf", "stream", "session", "config", "control", "preset", "steps")
+SUITES = ("gguf", "stream", "session", "config", "snapshot", "control", "preset", "steps")
 TINY = dict(tied=False, heads=8, kv_heads=2, head_dim=32, max_pos=2048)
 
 
