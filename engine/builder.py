@@ -150,8 +150,8 @@ class Engine:
         """Stop the loop (what is live is cancelled), then save the prefix cache where it is kept,
         unless the file holds it already."""
         self.loop.stop()
-        if self.snapshot is not None and self.snapshot.changed:
-            self.snapshot.save()
+        if self.snapshot is not None:
+            self.snapshot.close()
 
 
 def build_engine(cfg: EngineConfig, progress=None) -> Engine:

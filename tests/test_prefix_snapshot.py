@@ -167,6 +167,25 @@ def test_an_idle_save_waits_its_interval_and_stops_for_a_request(tmp_path):
     assert not never.path.exists()
 
 
+def test_an_idle_save_that_fails_is_reported_and_tried_again_after_its_interval(tmp_path, caplog):
+    cache, pool = PrefixCache(4), torch.randn(16, 4, 3, 5)
+    allocator = BlockAllocator(16, cache)
+    snapshot = KVSnapshot(str(tmp_path / "cache"), {"t": 1}, allocator, [pool], interval_s=0.05)
+    (tmp_path / "cache").write_text("")         # the directory became a file
+    chains(cache, allocator, [ids(8, seed=1)])
+    time.sleep(0.06)
+    with caplog.at_level(logging.WARNING, logger="pagedserve.engine"):
+        snapshot.save_when_idle(lambda: False)
+    assert "not saved" in caplog.text and snapshot.changed
+    (tmp_path / "cache").unlink()
+    snapshot.save_when_idle(lambda: False)      # within the interval of the failed try: not yet
+    assert not snapshot.path.exists()
+    time.sleep(0.06)
+    snapshot.save_when_idle(lambda: False)
+    snapshot.wait()
+    assert snapshot.path.exists() and not snapshot.changed
+
+
 def test_a_directory_that_cannot_be_made_fails_the_start_and_a_failed_save_keeps_serving(tiny_checkpoint, tmp_path,
                                                                                           caplog):
     path = tiny_checkpoint("qwen3")

@@ -130,6 +130,12 @@ class KVSnapshot:
         self._syncing = threading.Thread(target=self._commit_logged, args=written, name="pagedserve-kv-save")
         self._syncing.start()
 
+    def close(self) -> None:
+        """The engine stops (its loop has stopped): save unless the file holds the cache already."""
+        self.wait()
+        if self.changed:
+            self.save()
+
     def wait(self) -> None:
         """Wait for an idle save's fsync and rename to end."""
         if self._syncing is not None:
