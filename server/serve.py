@@ -1,6 +1,6 @@
-"""Run the app under uvicorn until SIGINT/SIGTERM/SIGHUP, then shut down in order: stop admitting, answer
-queued requests 503, let running ones finish (cancelled after a grace period), exit 0. While it
-drains it still listens, so /health answers 503 "draining" and new requests a 503 instead of a
+"""Run the app under uvicorn until SIGINT/SIGTERM/SIGHUP, then shut down in order: stop admitting,
+answer queued requests 503, let running ones finish (cancelled after a grace period), exit 0. While
+it drains it still listens, so /health answers 503 "draining" and new requests a 503 instead of a
 refused connection; a second SIGINT stops at once."""
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from chat_templates import HERMES, chat_model
 from server_process import ServerProcess
 
 from engine import LLM
+from engine.client import EngineClient
 from engine.atomic_file import temp_path
 from engine.config import ConfigError
 from engine.kv.allocator import BlockAllocator
@@ -184,6 +185,27 @@ def test_an_idle_save_that_fails_is_reported_and_tried_again_after_its_interval(
     snapshot.save_when_idle(lambda: False)
     snapshot.wait()
     assert snapshot.path.exists() and not snapshot.changed
+
+
+def test_an_idle_save_that_raises_leaves_the_loop_serving(tiny_checkpoint, tmp_path, monkeypatch, caplog):
+    def broken(*args):
+        raise RuntimeError("device lost")
+    llm = LLM(model=str(tiny_checkpoint("qwen3")), prefix_cache_dir=str(tmp_path), prefix_cache_save_interval_s=1e-6,
+              **MAKE)
+    client = EngineClient(llm.engine)       # the loop on its own thread, as a server runs it
+    try:
+        with monkeypatch.context() as m, caplog.at_level(logging.WARNING, logger="pagedserve.engine"):
+            m.setattr(KVSnapshot, "_write", broken)
+            first = client.submit(ids(40, seed=12), params=GREEDY).result()
+            deadline = time.monotonic() + 30
+            while "device lost" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert "not saved" in caplog.text and "device lost" in caplog.text
+        again = client.submit(ids(40, seed=12), params=GREEDY).result()   # the loop goes on, and saves now
+        assert again.token_ids == first.token_ids
+    finally:
+        client.close()
+    assert llm.engine.snapshot.path.exists()
 
 
 def test_a_directory_that_cannot_be_made_fails_the_start_and_a_failed_save_keeps_serving(tiny_checkpoint, tmp_path,

@@ -123,7 +123,7 @@ class KVSnapshot:
             written = self._write(busy)
         except _PutOff:
             return
-        except OSError as e:
+        except Exception as e:      # whatever went wrong, the loop that called this must go on
             self._saved = (time.monotonic(), self._saved[1])    # tried again after the interval
             log.warning("prefix cache: not saved to %s (%s)", self.path, e)
             return
@@ -184,7 +184,7 @@ class KVSnapshot:
     def _commit_logged(self, *written) -> None:
         try:
             self._commit(*written)
-        except OSError as e:
+        except Exception as e:
             self._saved = (time.monotonic(), self._saved[1])
             log.warning("prefix cache: not saved to %s (%s)", self.path, e)
 
