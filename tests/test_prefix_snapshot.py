@@ -60,6 +60,28 @@ def test_a_restarted_engine_hits_the_saved_prefix_and_samples_the_same(tiny_chec
     assert [c.token_ids for c in again] == want
 
 
+def test_a_draft_model_reads_a_restored_prefix_and_changes_no_token(tiny_checkpoint, tmp_path):
+    """The file holds the target's K/V only: a self-draft reads the restored blocks itself before it
+    proposes, so it proposes what the target draws."""
+    path = tiny_checkpoint("qwen3")
+    system = ids(70, seed=1)
+    run(path, tmp_path, [system + ids(9, seed=2)])              # saved without a draft
+    prompt = system + ids(12, seed=3)
+    llm = LLM(model=str(path), prefix_cache_dir=str(tmp_path), draft_model=str(path), draft_quantization="none",
+              **MAKE)
+    try:
+        llm.engine.draft.p_min = 0.0        # a random model is never sure: propose anyway
+        [warm] = llm.generate([prompt], GREEDY)
+        stats = llm.engine.scheduler.stats()
+    finally:
+        llm.close()
+    [cold], _ = run(path, tmp_path / "cold", [prompt])
+    assert warm.token_ids == cold.token_ids and warm.cached_tokens == 64
+    # the same weights propose what the target draws, if the draft read the prefix (not zeros)
+    assert stats.spec_proposed_tokens_total > 0
+    assert stats.spec_accepted_tokens_total >= 0.9 * stats.spec_proposed_tokens_total
+
+
 def test_another_layout_keeps_its_own_file_and_starts_cold(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("qwen3")
     prompt = ids(40, seed=5)
