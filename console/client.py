@@ -91,6 +91,11 @@ class _EngineReply:
         self._handle.cancel()
 
 
+def restored(tokens: int) -> str:
+    """The description's note of a warm restart (prefix_cache_dir), or nothing."""
+    return f" · {tokens:,} cached tokens restored" if tokens else ""
+
+
 class InProcessClient:
     """An engine in this process (`pagedserve chat --model M`)."""
 
@@ -108,7 +113,7 @@ class InProcessClient:
         info = self._engine.info()
         return (f"{info.model} · {info.architecture} · {info.dtype} on {info.device} · "
                 f"weights {info.weights} · {info.kv_pool_tokens:,} K/V tokens "
-                f"({info.kv_pool_bytes / 2**30:.1f} GiB, {info.kv_cache_dtype})")
+                f"({info.kv_pool_bytes / 2**30:.1f} GiB, {info.kv_cache_dtype}){restored(info.restored_prefix_tokens)}")
 
     def stream(self, messages: list[dict], *, temperature: float, max_tokens: int,
                client: str) -> ReplyStream:
@@ -225,7 +230,7 @@ class HttpClient:
         stored = f", {props['kv_cache_dtype']}" if "kv_cache_dtype" in props else ""
         pool = (f" · {props['kv_pool_tokens']:,} K/V tokens ({props['kv_pool_bytes'] / 2**30:.1f} GiB{stored})"
                 if "kv_pool_bytes" in props else "")
-        return f"{name} · {self.url}{pool}"
+        return f"{name} · {self.url}{pool}{restored(props.get('restored_prefix_tokens', 0))}"
 
     def stream(self, messages: list[dict], *, temperature: float, max_tokens: int,
                client: str) -> ReplyStream:

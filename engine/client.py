@@ -33,6 +33,7 @@ class EngineInfo:
     vocab_size: int         # token ids run from 0 to vocab_size - 1
     sampling_defaults: dict  # the model's generation_config.json temperature, top_p, ...: what an
                              # HTTP request that leaves them out gets
+    restored_prefix_tokens: int = 0     # cached tokens read back from prefix_cache_dir at the start
 
 
 class EngineClient:
@@ -106,7 +107,9 @@ class EngineClient:
             kv_pool_bytes=e.pool.nbytes + (e.draft.pool.nbytes if e.draft else 0),
             kv_cache_dtype=str(e.pool.shape.dtype).removeprefix("torch."),
             num_state_slots=e.state_pool.num_slots if e.state_pool is not None else 0,
-            overlap_scheduling=e.scheduler.overlapped, vocab_size=e.model_config.vocab_size, sampling_defaults=dict(e.sampling_defaults))
+            overlap_scheduling=e.scheduler.overlapped, vocab_size=e.model_config.vocab_size,
+            sampling_defaults=dict(e.sampling_defaults),
+            restored_prefix_tokens=e.snapshot.restored * e.pool.shape.block_size if e.snapshot else 0)
 
     def close(self) -> None:
         """Cancel what is live, stop the loop thread and save the prefix cache where it is kept."""

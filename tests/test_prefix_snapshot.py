@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -16,6 +17,7 @@ import torch
 from chat_templates import HERMES, chat_model
 from server_process import ServerProcess
 
+from console.client import HttpClient
 from engine import LLM
 from engine.client import EngineClient
 from engine.atomic_file import temp_path
@@ -124,11 +126,12 @@ def assert_warm(cold, warm) -> None:
 def test_a_server_saves_when_its_terminal_closes_and_the_next_one_serves_from_the_file(
         tiny_checkpoint, tmp_path_factory, tmp_path):
     model = chat_model(tmp_path_factory, tiny_checkpoint, "tiny-warm", HERMES)
-    replies, logs = [], []
+    replies, logs, shown = [], [], []
     for stop in (signal.SIGHUP, signal.SIGINT):
         srv = ServerProcess(model, "--prefix-cache-dir", str(tmp_path / "cache"), workdir=tmp_path)
         try:
             srv.wait_ready()
+            shown.append(HttpClient(srv.url, "").connect(progress=lambda done, total: None))   # the console's header
             replies.append(ask(srv))
         finally:
             status = srv.stop(stop)         # closes the log
@@ -138,6 +141,8 @@ def test_a_server_saves_when_its_terminal_closes_and_the_next_one_serves_from_th
     # the second server computed nothing the file did not hold: it leaves the file as it is
     assert "prefix cache: restored" in logs[1] and "prefix cache: saved" not in logs[1], logs[1]
     assert_warm(*replies)
+    restored = 16 * int(re.search(r"saved (\d+) blocks", logs[0])[1])
+    assert "cached tokens restored" not in shown[0] and shown[1].endswith(f" · {restored:,} cached tokens restored")
 
 
 def test_a_killed_server_comes_back_warm_from_its_idle_save(tiny_checkpoint, tmp_path_factory, tmp_path):

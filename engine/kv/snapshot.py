@@ -88,6 +88,7 @@ class KVSnapshot:
         self.tensors = [t.view(torch.uint8).view(t.shape[0], -1) for t in tensors]   # a block = one row of bytes
         self._saved = (time.monotonic(), allocator.cache.additions)    # when, and the cache's count then
         self._syncing: threading.Thread | None = None                  # an idle save's fsync and rename
+        self.restored = 0       # blocks read back at the start
 
     def _header(self, n: int) -> bytes:
         layout = [[t.shape[1]] for t in self.tensors]
@@ -221,7 +222,7 @@ class KVSnapshot:
         except (OSError, SnapshotError) as e:
             log.warning("prefix cache: %s not restored (%s); starting with an empty cache", self.path, e)
             return 0
-        self._saved = (time.monotonic(), self.allocator.cache.additions)
+        self._saved, self.restored = (time.monotonic(), self.allocator.cache.additions), n
         log.info("prefix cache: restored %d blocks from %s in %.1f s", n, self.path, time.monotonic() - started)
         return n
 
