@@ -20,3 +20,8 @@ class PromptTooLong(RequestRejected):
 
 class QueueFull(RuntimeError):
     """Too many requests are waiting; retry later."""
+
+
+class EngineBusy(RuntimeError):
+    """What is read between two steps (statistics) did not come within the caller's wait: a step is
+    taking that long. Retry."""

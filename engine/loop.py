@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from engine.detokenize import IncrementalDetokenizer
+from engine.errors import EngineBusy
 from engine.grammar import GrammarCompiler, GrammarError
 from engine.output import Delta, RequestHandle
 from engine.request import FinishReason, Request, RequestState, SamplingParams
@@ -114,13 +115,18 @@ class EngineLoop:
 
     def stats(self, timeout_s: float = 10.0) -> SchedulerStats:
         """The scheduler's statistics, computed when asked (a step only bumps counters): by the
-        stepping thread between two steps when one runs, so the snapshot is consistent."""
+        stepping thread between two steps when one runs, so the snapshot is consistent. EngineBusy
+        if no step ended within `timeout_s`."""
         if self._stepper is None or self._stepper == threading.get_ident():
             return self.scheduler.stats()
         reply: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("stats", reply, None))
         self.wake()
-        return reply.result(timeout_s)
+        try:
+            return reply.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise EngineBusy(f"the engine is in a step that has run for over {timeout_s:g} s, and its statistics "
+                             "are read between steps; try again") from None
 
     def wake(self) -> None:
         """Make an idle `run` look at its commands, readers and `until` again now."""

@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from engine.errors import EngineBusy
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
@@ -105,6 +107,10 @@ def install_error_handlers(app: FastAPI) -> None:
             detail = ("request body could not be parsed as JSON: it is not JSON, or nested more deeply than "
                       "a JSON parser follows (keep it under a few hundred levels)")
         return APIError(exc.status_code, detail).response(request.url.path)
+
+    @app.exception_handler(EngineBusy)
+    async def _busy(request: Request, exc: EngineBusy) -> JSONResponse:
+        return APIError(503, str(exc), code="engine_busy").response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
