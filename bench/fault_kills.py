@@ -1,9 +1,9 @@
 """SIGKILL at random moments, for the fault suite (bench/faults.py): a server killed during its first
 GGUF conversion or in the middle of streams, and writer processes killed while they replace a
-session file, a config file, a prefix-cache snapshot or a preset pull's state. After each kill the persisted files must hold
-the old content or the new, never a torn mix, and the next start must serve (rebuilding what the
-kill interrupted, cleaning up what it left). Each function returns one line per kill and the
-problems it found (empty: all good)."""
+session file, a config file, a prefix-cache snapshot or a preset pull's state. After each kill the
+persisted files must hold the old content or the new, never a torn mix, and the next start must
+serve (rebuilding what the kill interrupted, cleaning up what it left). Each function returns one
+line per kill and the problems it found (empty: all good)."""
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +27,7 @@ from engine.kv.prefix_cache import PrefixCache
 from engine.kv.snapshot import KVSnapshot
 from engine.loading.gguf import BUILD_TAG, HASH_INDEX, MARKER
 from engine.loading.presets import PRESETS, pull, pulled_path
+from prefix_snapshot import cache_every_block
 from server_process import ServerProcess
 
 Result = tuple[list[str], list[str]]            # (one line per kill, problems)
@@ -262,15 +263,8 @@ SNAPSHOT_BLOCKS = 64
 
 def _snapshot(target: Path, n: int) -> tuple[KVSnapshot, list[torch.Tensor]]:
     """A 64-block prefix cache (4 MiB of K/V) whose token ids and bytes both say version n."""
-    cache = PrefixCache(16)
-    allocator = BlockAllocator(SNAPSHOT_BLOCKS, cache)
-    tokens = [3 + n % 1000] * (16 * SNAPSHOT_BLOCKS)
-    chain = cache.chain()
-    chain.extend(tokens)
-    handles = allocator.allocate(SNAPSHOT_BLOCKS)
-    for i, h in enumerate(handles):
-        cache.insert(h.block_id, chain, i, tokens)
-    allocator.free(handles)
+    allocator = BlockAllocator(SNAPSHOT_BLOCKS, PrefixCache(16))
+    cache_every_block(allocator, [3 + n % 1000] * (16 * SNAPSHOT_BLOCKS))
     pools = [torch.full((SNAPSHOT_BLOCKS, 16, 2, 128), float(n % 251), dtype=torch.bfloat16) for _ in range(8)]
     return KVSnapshot(str(target), {"fault": 1}, allocator, pools), pools
 

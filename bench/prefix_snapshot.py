@@ -23,10 +23,9 @@ from engine.kv.prefix_cache import PrefixCache  # noqa: E402
 from engine.kv.snapshot import KVSnapshot  # noqa: E402
 
 
-def cache_every_block(allocator: BlockAllocator, block_size: int) -> None:
-    """Every block of the pool cached, as one chain of random tokens, then idle."""
+def cache_every_block(allocator: BlockAllocator, tokens: list[int]) -> None:
+    """Every block of the pool cached, as one chain of `tokens` (a block's worth each), then idle."""
     cache, blocks = allocator.cache, allocator.num_free
-    tokens = torch.randint(3, 30000, (blocks * block_size,)).tolist()
     chain = cache.chain()
     chain.extend(tokens)
     handles = allocator.allocate(blocks)
@@ -45,7 +44,8 @@ def main() -> None:
     tensors = [torch.randn(args.blocks, 16, 2, 128).bfloat16() for _ in range(2 * args.layers)]
     directory = args.dir or tempfile.mkdtemp(prefix="pagedserve-snapshot-")
     snapshot = KVSnapshot(directory, {"bench": 1}, allocator, tensors, interval_s=1e-9)
-    cache_every_block(allocator, 16)        # after the snapshot: changed, and due at once
+    # cached after the snapshot was made: it has changed, and a save is due at once
+    cache_every_block(allocator, torch.randint(3, 30000, (args.blocks * 16,)).tolist())
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     waits = []
     for pieces in (1, 10, 30, 60, 100):         # a request comes after this many pieces
