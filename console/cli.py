@@ -27,8 +27,8 @@ from engine.grammar import Grammar
 from engine.request import SamplingParams
 
 COMMON_ENGINE_FLAGS = ("model", "dtype", "quantization", "device", "max_concurrency", "kv_pool_tokens",
-                       "block_size", "max_model_len", "compile", "threads", "kv_cache_dtype", "speculative",
-                       "draft_model", "draft_quantization", "prefix_cache_dir")
+                       "block_size", "max_model_len", "rope_scaling", "rope_scale", "compile", "threads",
+                       "kv_cache_dtype", "speculative", "draft_model", "draft_quantization", "prefix_cache_dir")
 
 
 class _Group(click.Group):

@@ -1,6 +1,7 @@
 """Build a ready engine from an EngineConfig: weights, tokenizer, K/V pool, runner, scheduler, loop."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -18,6 +19,7 @@ from engine.kv.pool import (KVPool, KVShape, StatePool, check_kv_layout, plan_nu
                             resolve_kv_cache_dtype)
 from engine.loading.checkpoint import open_checkpoint
 from engine.loading.model_config import ModelConfig, parse_model_config
+from engine.loading.rope_scaling import override_rope_scaling
 from engine.loading.tokenizer import load_tokenizer
 from engine.loop import EngineLoop
 from engine.models.linear import LinearLoader
@@ -74,8 +76,11 @@ def resolve_quantization(cfg: EngineConfig, device: torch.device, key: str = "qu
 def resolve_max_model_len(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     limit = model_cfg.max_position_embeddings
     if cfg.max_model_len > limit:
+        scale = -(-cfg.max_model_len // limit) if not model_cfg.rope_scaling else 0
         raise ConfigError([f"max_model_len = {cfg.max_model_len:,} is more than the model's "
-                           f"max_position_embeddings ({limit:,}); use at most {limit:,}"])
+                           f"max_position_embeddings ({limit:,}); use at most {limit:,}"
+                           + (f", or serve more positions with --rope-scaling yarn --rope-scale {scale}"
+                              if scale else "")])
     return cfg.max_model_len or limit
 
 
@@ -93,14 +98,17 @@ def resolve_overlap(cfg: EngineConfig, device: torch.device) -> bool:
     return cfg.overlap_scheduling == "on"
 
 
-def _open(name: str, dtype: torch.dtype, quantization: str, progress):
-    """A model's path, open checkpoint (the caller closes it) and parsed config."""
+def _open(cfg: EngineConfig, name: str, dtype: torch.dtype, quantization: str, progress):
+    """A model's path, open checkpoint (the caller closes it) and parsed config, with cfg's rope scaling."""
     from engine.loading.resolve import resolve_model
 
     path = resolve_model(name, dtype=str(dtype).removeprefix("torch."), progress=progress,
                          keep_quantized=quantization != "none")
     ckpt = open_checkpoint(path)
-    return path, ckpt, parse_model_config(ckpt.config, source=os.path.join(str(path), "config.json"))
+    model_cfg = parse_model_config(ckpt.config, source=os.path.join(str(path), "config.json"))
+    scaling, positions = override_rope_scaling(model_cfg.rope_scaling, model_cfg.max_position_embeddings,
+                                               cfg.rope_scaling, cfg.rope_scale)
+    return path, ckpt, dataclasses.replace(model_cfg, rope_scaling=scaling, max_position_embeddings=positions)
 
 
 def build_draft(cfg: EngineConfig, target: DecoderModel, dtype: torch.dtype, device: torch.device,
@@ -110,7 +118,7 @@ def build_draft(cfg: EngineConfig, target: DecoderModel, dtype: torch.dtype, dev
     if cfg.speculative != "draft":
         return None
     quantization = resolve_quantization(cfg, device, "draft_quantization")
-    _, ckpt, model_cfg = _open(cfg.draft_model, dtype, quantization, progress)
+    _, ckpt, model_cfg = _open(cfg, cfg.draft_model, dtype, quantization, progress)
     try:
         draft = build_decoder(model_cfg, ckpt, dtype, device,
                               LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))
@@ -181,7 +189,7 @@ def _build(cfg: EngineConfig, progress) -> Engine:
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     quantization = resolve_quantization(cfg, device)
-    path, ckpt, model_cfg = _open(cfg.model, dtype, quantization, progress)
+    path, ckpt, model_cfg = _open(cfg, cfg.model, dtype, quantization, progress)
     eos = tuple(dict.fromkeys(ckpt.generation_eos_ids() + model_cfg.eos_token_ids))
     sampling_defaults = ckpt.sampling_defaults()
     tokenizer = load_tokenizer(path)
@@ -257,7 +265,8 @@ def warm_restart(engine: Engine, quantization: str) -> KVSnapshot | None:
                    "quantization": quantization, "quant_group_size": cfg.quant_group_size,
                    "device": engine.device.type, "torch": torch.__version__,
                    "code": code_identity(Path(__file__).resolve().parents[1]),
-                   "kv": [shape.num_layers, shape.kv_heads, shape.head_dim, shape.block_size, str(shape.dtype)]}
+                   "kv": [shape.num_layers, shape.kv_heads, shape.head_dim, shape.block_size, str(shape.dtype)],
+                   "rope": engine.model_config.rope_params}
     snapshot = KVSnapshot(cfg.prefix_cache_dir, fingerprint, engine.scheduler.kv.blocks,
                           [t for kv in engine.pool.layers for t in kv], cfg.prefix_cache_save_interval_s)
     snapshot.load()

@@ -64,6 +64,13 @@ class EngineConfig:
                                "free memory holds")
     block_size: int = _key(16, "a power of two between 8 and 256", lambda v: 8 <= v <= 256 and v & (v - 1) == 0, "tokens per K/V cache block")
     max_model_len: int = _key(0, "an integer >= 0 (0 = the model's own limit)", lambda v: v >= 0, "longest prompt + output in tokens; 0 = the model's own limit")
+    rope_scaling: str = _choice("auto", ("auto", "none", "linear", "yarn"),
+                                "rotary position scaling, to serve more positions than the model was trained on: "
+                                "auto = as its config.json or GGUF says; yarn / linear = its trained context "
+                                "times rope_scale (yarn 4 takes Qwen2.5 from 32,768 to 131,072 positions); none = "
+                                "plain rotary at the trained context. Applies to draft_model too")
+    rope_scale: float = _key(0.0, "a number >= 1, or 0 (unset)", lambda v: v == 0 or v >= 1,
+                             "how many times the trained context rope_scaling = yarn or linear serves")
     compile: bool = _key(False, "true or false", lambda v: True, "run the model under torch.compile")
     cuda_graphs: bool = _key(True, "true or false", lambda v: True,
                              "on GPUs, replay decode-only steps from CUDA graphs (one per batch-size bucket; "
@@ -107,6 +114,10 @@ class EngineConfig:
         if (self.speculative == "draft") != bool(self.draft_model):
             problems.append(f'speculative = "{self.speculative}" with draft_model = {self.draft_model!r}: "draft" '
                             'needs a draft_model (e.g. --draft-model qwen2.5-coder-0.5b) and a draft_model needs "draft"')
+        if (self.rope_scaling in ("linear", "yarn")) != (self.rope_scale > 0):
+            problems.append(f'rope_scaling = "{self.rope_scaling}" with rope_scale = {self.rope_scale:g}: "yarn" and '
+                            '"linear" need rope_scale, how many times the trained context to serve (e.g. '
+                            '--rope-scaling yarn --rope-scale 4), and rope_scale needs one of them')
         if self.overlap_scheduling == "on" and self.speculative != "none":
             problems.append(f'overlap_scheduling = "on" with speculative = "{self.speculative}": speculation proposes '
                             'from the tokens overlap leaves unread; set one of them off')

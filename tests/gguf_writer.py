@@ -82,8 +82,11 @@ def _random_q5_k(shape: tuple[int, int], seed: int) -> np.ndarray:
 
 
 def write_gguf(directory: Path, arch: str, qtype: str, *, tied: bool = False, pre: str = "qwen2",
-               head_dim: int = 32, hidden: int = 64, intermediate: int = 128, seed: int = 0) -> Path:
-    """`<directory>/<arch>-<qtype>.gguf` from a fresh `make_checkpoint(directory / "hf", ...)`."""
+               head_dim: int = 32, hidden: int = 64, intermediate: int = 128, seed: int = 0,
+               rope_scaling: dict | None = None) -> Path:
+    """`<directory>/<arch>-<qtype>.gguf` from a fresh `make_checkpoint(directory / "hf", ...)`; `rope_scaling`
+    (rope_type linear or yarn, factor, original_max_position_embeddings) written as the converter writes a
+    config.json's."""
     directory = Path(directory)
     checkpoint = make_checkpoint(directory / f"hf-{arch}-{qtype}", arch, tied=tied, head_dim=head_dim,
                                  hidden=hidden, intermediate=intermediate, seed=seed)
@@ -102,6 +105,10 @@ def write_gguf(directory: Path, arch: str, qtype: str, *, tied: bool = False, pr
     writer.add_rope_dimension_count(config["head_dim"])
     writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if rope_scaling:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling["rope_type"]))
+        writer.add_rope_scaling_factor(rope_scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope_scaling["original_max_position_embeddings"])
     _add_tokenizer(writer, checkpoint, config["vocab_size"], pre)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for name, values in weights.items():

@@ -31,6 +31,25 @@ class GGUFContentError(ValueError):
     """A key or tensor of the file cannot be converted; the message names it (gguf.py adds the file's name)."""
 
 
+def _rope_scaling(key, arch: str) -> dict:
+    """The rope-parameter keys of the file's rope scaling, as convert_hf_to_gguf.py writes it from a
+    config.json's: a type, the factor, the trained context, yarn's ramp."""
+    kind = key(Keys.Rope.SCALING_TYPE, None)
+    if kind in (None, "none"):
+        return {}
+    if kind not in ("linear", "yarn"):
+        raise GGUFContentError(f"{arch}.rope.scaling.type={kind!r} is not supported (none, linear or yarn)")
+    if float(key(Keys.Rope.SCALING_ATTN_FACTOR, 1.0)) != 1.0:   # llama.cpp's extra factor: no config.json key
+        raise GGUFContentError(f"{arch}.rope.scaling.attn_factor is not supported")
+    params = {"rope_type": kind, "factor": float(key(Keys.Rope.SCALING_FACTOR))}
+    for name, template in (("original_max_position_embeddings", Keys.Rope.SCALING_ORIG_CTX_LEN),
+                           ("beta_fast", Keys.Rope.SCALING_YARN_BETA_FAST),
+                           ("beta_slow", Keys.Rope.SCALING_YARN_BETA_SLOW)):
+        if key(template, None) is not None:
+            params[name] = key(template)
+    return params
+
+
 def hf_config(meta: dict, arch: str, shapes: dict[str, tuple[int, ...]], dtype: str) -> dict:
     """config.json for a file of `arch` with metadata `meta` and tensors `shapes` (GGUF name -> HF-order shape)."""
     def key(template: str, *default):
@@ -41,15 +60,13 @@ def hf_config(meta: dict, arch: str, shapes: dict[str, tuple[int, ...]], dtype: 
             return default[0]
         raise GGUFContentError(f"metadata key {name!r} is missing")
 
-    scaling = key(Keys.Rope.SCALING_TYPE, None)
-    if scaling not in (None, "none"):
-        raise GGUFContentError(f"{arch}.rope.scaling.type={scaling!r} is not supported (only plain rotary)")
     if TOKEN_EMBD not in shapes:
         raise GGUFContentError(f"tensor {TOKEN_EMBD!r} is missing")
     hidden, heads = int(key(Keys.LLM.EMBEDDING_LENGTH)), int(key(Keys.Attention.HEAD_COUNT))
     head_dim = int(key(Keys.Attention.KEY_LENGTH, hidden // heads))
     rope = {"rope_type": "default", "rope_theta": float(key(Keys.Rope.FREQ_BASE, 10000.0)),
             "partial_rotary_factor": int(key(Keys.Rope.DIMENSION_COUNT, head_dim)) / head_dim}
+    rope.update(_rope_scaling(key, arch))
     sections = key(Keys.Rope.DIMENSION_SECTIONS, None)
     if sections is not None:
         # Qwen3.5's interleaved M-RoPE: with text positions in every section it is plain rotary

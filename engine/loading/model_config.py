@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from engine.errors import UserError
+from engine.loading.rope_scaling import RopeScaling, parse_rope_scaling
 
 # architecture name -> family flags; one dense implementation serves all three
 DENSE_ARCHITECTURES = {
@@ -52,12 +53,13 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     partial_rotary_factor: float
-    max_position_embeddings: int
+    max_position_embeddings: int                # positions served: the trained context, times rope scaling's
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    rope_scaling: RopeScaling | None = None     # None: plain rotary
     # hybrid / MoE families (HYBRID_ARCHITECTURES); the dense defaults below leave dense models unchanged
     layer_types: tuple[str, ...] = ()           # per layer: "full_attention" | "linear_attention"
     gated_attention: bool = False               # q_proj emits query and a sigmoid output gate per head
@@ -80,6 +82,11 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def rope_params(self) -> dict | None:
+        """The rope scaling as ops.rope_cos_sin takes it."""
+        return self.rope_scaling.params() if self.rope_scaling else None
+
+    @property
     def is_hybrid(self) -> bool:
         """Served by engine/models/qwen3_5.py rather than the dense decoder."""
         return self.architecture in HYBRID_ARCHITECTURES
@@ -94,16 +101,15 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
 
-def _rope(cfg: dict) -> tuple[float, float]:
-    """transformers 5 nests rope settings in `rope_parameters`; older files keep them top level."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ModelConfigError(f"rope type {kind!r} is not supported (only 'default' rotary)")
+def _rope(cfg: dict) -> tuple[float, float, RopeScaling | None, int]:
+    """theta, the rotary fraction, the scaling and the positions served. transformers 5 nests rope settings
+    in `rope_parameters`; older files keep them top level, the scaling in `rope_scaling`."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    kind = params.get("rope_type") or params.get("type") or "default"
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    return float(theta), float(factor)
+    scaling, positions = parse_rope_scaling(kind, params, int(cfg.get("max_position_embeddings", 4096)))
+    return float(theta), float(factor), scaling, positions
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -126,7 +132,7 @@ def parse_model_config(cfg: dict, source: str = "config.json") -> ModelConfig:
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
-        theta, factor = _rope(cfg)
+        theta, factor, scaling, positions = _rope(cfg)
         qkv_bias = flags["qkv_bias"]
         if qkv_bias is None:
             qkv_bias = bool(cfg.get("attention_bias", False))
@@ -144,12 +150,13 @@ def parse_model_config(cfg: dict, source: str = "config.json") -> ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             partial_rotary_factor=factor,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(qkv_bias),
             qk_norm=flags["qk_norm"],
             eos_token_ids=_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
+            rope_scaling=scaling,
         )
     except KeyError as e:
         raise ModelConfigError(f"{source}: required key {e.args[0]!r} is missing") from None

@@ -68,7 +68,7 @@ class DenseDecoder:
             layer.down_w = linears.load([(mlp + "down_proj.weight", h, inter)])
             self.layers.append(layer)
         self.cos_sin = rope_cos_sin(cfg.max_position_embeddings, cfg.rotary_dim,
-                                    cfg.rope_theta).to(device)
+                                    cfg.rope_theta, cfg.rope_params).to(device)
         # A large k_proj bias (Qwen2) gives a few channels of every key a large, nearly constant value (its
         # low-frequency rotary pairs barely turn): it sets their blocks' scales in a quantized cache, and
         # 4 bits then leave nothing of the rest. Subtracting one constant vector from every key moves each

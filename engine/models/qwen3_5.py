@@ -64,7 +64,8 @@ class HybridDecoder:
             layer.mlp = MLP(cfg, get, names, p + "mlp.", sparse=bool(cfg.moe_layers and cfg.moe_layers[i]),
                             linears=linears)
             self.layers.append(layer)
-        self.cos_sin = rope_cos_sin(cfg.max_position_embeddings, cfg.rotary_dim, cfg.rope_theta).to(device)
+        self.cos_sin = rope_cos_sin(cfg.max_position_embeddings, cfg.rotary_dim, cfg.rope_theta,
+                                    cfg.rope_params).to(device)
 
     @property
     def num_kv_layers(self) -> int:
