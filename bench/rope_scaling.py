@@ -1,7 +1,8 @@
 """Serving past a model's trained context with rope scaling (`rope_scaling` / `rope_scale`), on the default
 model, whose config trains it to 32,768 positions: the perplexity of this repository's own code in windows
-deep into one long text, with and without the scaling (static YaRN changes short contexts too), and whether
-the model finds a fact hidden in such a text at a few depths (needle in a haystack).
+deep into one long text, with and without the scaling (static YaRN changes short contexts too), next to each
+window's after only the 2,000 tokens before it; and whether the model finds a fact hidden in such a text at
+a few depths (needle in a haystack).
 
     .venv/bin/python bench/rope_scaling.py perplexity --tokens 40000 --windows 0 30000 38000
     .venv/bin/python bench/rope_scaling.py needle --contexts 40000 --depths 0.25 0.5 0.75
@@ -41,18 +42,28 @@ def code_text() -> str:
 
 
 def perplexity(args) -> None:
+    """Per window: its perplexity after everything before it (plain rotary as far as it serves, then yarn),
+    and after only `--window` tokens of plain rotary, which every window fits (what its text alone gives)."""
+    def ppl(logps: list[float]) -> str:
+        return f"{math.exp(-sum(logps) / len(logps)):.3f}"
+
     for scaled in (False, True):
-        longest = args.tokens if scaled else min(args.tokens, args.trained)
+        longest = args.tokens if scaled else min(args.tokens, args.trained - 64)
         llm = _engine(args, scaled, longest)
-        ids = llm.tokenizer.encode(code_text())[:longest]
-        assert len(ids) == longest, f"the sources hold {len(ids):,} tokens, fewer than {longest:,}"
+        ids = llm.tokenizer.encode(code_text())[:args.tokens]
+        assert len(ids) == args.tokens, f"the sources hold {len(ids):,} tokens, fewer than {args.tokens:,}"
         started = time.perf_counter()
-        logps = token_logprobs(llm.engine, ids)
+        logps = token_logprobs(llm.engine, ids[:longest])
         label = f"yarn x{args.scale:g}" if scaled else "plain rotary"
         windows = [w for w in args.windows if w + args.window <= longest]
         print(f"{label}: {longest:,} tokens teacher-forced in {time.perf_counter() - started:.0f} s; perplexity " +
-              ", ".join(f"{math.exp(-sum(logps[w:w + args.window]) / args.window):.3f} at [{w:,}, "
-                        f"{w + args.window:,})" for w in windows), flush=True)
+              ", ".join(f"{ppl(logps[w:w + args.window])} at [{w:,}, {w + args.window:,})" for w in windows),
+              flush=True)
+        if not scaled:
+            short = [w for w in args.windows if w >= args.window]
+            print(f"plain rotary, each window after only the {args.window:,} tokens before it: " + ", ".join(
+                f"{ppl(token_logprobs(llm.engine, ids[w - args.window:w + args.window + 1])[args.window:])} at "
+                f"[{w:,}, {w + args.window:,})" for w in short), flush=True)
         del llm
         gc.collect()
 

@@ -38,15 +38,12 @@ SCALINGS = {
 
 def _config(name: str) -> tuple[dict, object]:
     """config.json's dict for a one-layer model with SCALINGS[name], and transformers' config of it."""
+    keys = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_hidden_layers=1,
+                intermediate_size=64, vocab_size=100, rope_theta=10000.0, max_position_embeddings=TRAINED,
+                rope_scaling=dict(SCALINGS[name]))
     config_class = LlamaConfig if name == "llama3" else Qwen2Config
-    hf = config_class(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                      num_hidden_layers=1, intermediate_size=64, vocab_size=100, rope_theta=10000.0,
-                      max_position_embeddings=TRAINED, rope_scaling=dict(SCALINGS[name]))
-    raw = {"architectures": ["LlamaForCausalLM" if name == "llama3" else "Qwen2ForCausalLM"], "hidden_size": 64,
-           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "num_hidden_layers": 1,
-           "intermediate_size": 64, "vocab_size": 100, "rope_theta": 10000.0,
-           "max_position_embeddings": TRAINED, "rope_scaling": dict(SCALINGS[name])}
-    return raw, hf
+    raw = {"architectures": [config_class.__name__.replace("Config", "ForCausalLM")], **keys}
+    return raw, config_class(**keys | {"rope_scaling": dict(SCALINGS[name])})
 
 
 @pytest.mark.parametrize("name", list(SCALINGS))
@@ -183,3 +180,11 @@ def test_a_saved_prefix_cache_is_not_read_under_another_scaling(scaled, tmp_path
     assert restored() == 0
     assert restored(rope_scaling="yarn", rope_scale=4) == 0
     assert restored() > 0
+
+
+def test_a_draft_model_is_scaled_with_the_target(scaled):
+    """The keys stretch the draft too, so it serves the target's positions (check_draft refuses a shorter one)
+    and its proposals change no greedy token."""
+    plain = _greedy(scaled("plain"), rope_scaling="yarn", rope_scale=4)
+    assert _greedy(scaled("plain"), rope_scaling="yarn", rope_scale=4, draft_model=str(scaled("plain")),
+                   draft_quantization="none") == plain

@@ -53,7 +53,7 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     partial_rotary_factor: float
-    max_position_embeddings: int                # positions served: the trained context, times rope scaling's
+    max_position_embeddings: int                # positions served: the trained context, or as rope scaling stretches it
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool

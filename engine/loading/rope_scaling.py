@@ -36,8 +36,7 @@ def parse_rope_scaling(kind: str, params: dict, max_position_embeddings: int) ->
     if kind == "default":
         return None, max_position_embeddings
     if kind not in KINDS:
-        raise ValueError(f"rope type {kind!r} is not supported (plain rotary, or one of "
-                               f"{', '.join(KINDS)})")
+        raise ValueError(f"rope type {kind!r} is not supported (plain rotary, or one of {', '.join(KINDS)})")
     original = int(params.get("original_max_position_embeddings") or max_position_embeddings)
     factor = params.get("factor")
     if factor is None and kind == "yarn":     # DeepSeek-style configs give the two lengths instead
