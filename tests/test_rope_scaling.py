@@ -13,14 +13,15 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig
-from engine.kv.pool import KVPool, KVShape
+from engine.kv.pool import KVPool, KVShape, StatePool
 from engine.loading.checkpoint import open_checkpoint
 from engine.loading.gguf import gguf_to_hf_dir
 from engine.loading.model_config import ModelConfigError, parse_model_config
 from engine.models.qwen3 import DenseDecoder
+from engine.models.qwen3_5 import HybridDecoder
 from gguf_writer import write_gguf
 from ops import rope_cos_sin
-from tiny_models import hf_model, whole_prompt_batch
+from tiny_models import hf_hybrid_model, hf_model, make_hybrid_checkpoint, whole_prompt_batch
 
 TRAINED = 64        # the tiny checkpoints' max_position_embeddings: every test runs past it
 # config.json's `rope_scaling` as the model cards say to add it (Qwen2.5: yarn, factor 4)
@@ -106,6 +107,27 @@ def test_logits_past_the_trained_context_match_transformers(scaled, name):
         ours = model.logits(model.forward(whole_prompt_batch(ids), pool.layers))
         theirs = hf_model(path)(ids[None]).logits[0]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_hybrid_model_s_attention_layers_scale_as_transformers_does(tmp_path):
+    """Qwen3.5 (partial rotary, M-RoPE sections that text positions make plain) with yarn in its
+    rope_parameters, past the trained context."""
+    path = make_hybrid_checkpoint(tmp_path, arch="qwen3_5", max_pos=TRAINED)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_parameters"] |= {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED}
+    (path / "config.json").write_text(json.dumps(config))
+    cfg = parse_model_config(open_checkpoint(path).config)
+    model = HybridDecoder(cfg, open_checkpoint(path), torch.float32, torch.device("cpu"))
+    pool = KVPool(KVShape(model.num_kv_layers, cfg.num_kv_heads, cfg.head_dim, 16, torch.float32), 14,
+                  torch.device("cpu"))
+    states = StatePool(model.state_shape, 3, torch.device("cpu")).layers
+    ids = torch.randint(0, cfg.vocab_size, (3 * TRAINED,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ours = model.logits(model.forward(whole_prompt_batch(ids), pool.layers, states,
+                                          torch.tensor([2], dtype=torch.int32)))
+        theirs = hf_hybrid_model(path)(ids[None]).logits[0]
+    assert cfg.max_position_embeddings == 4 * TRAINED
+    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=2e-4)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
