@@ -34,6 +34,8 @@ class EngineInfo:
     sampling_defaults: dict  # the model's generation_config.json temperature, top_p, ...: what an
                              # HTTP request that leaves them out gets
     restored_prefix_tokens: int = 0     # cached tokens read back from prefix_cache_dir at the start
+    rope_scaling: dict | None = None    # the rotary scaling served (rope_type, factor, the trained context
+                                        # ...); None = plain rotary
 
 
 class EngineClient:
@@ -109,7 +111,8 @@ class EngineClient:
             num_state_slots=e.state_pool.num_slots if e.state_pool is not None else 0,
             overlap_scheduling=e.scheduler.overlapped, vocab_size=e.model_config.vocab_size,
             sampling_defaults=dict(e.sampling_defaults),
-            restored_prefix_tokens=e.snapshot.restored * e.pool.shape.block_size if e.snapshot else 0)
+            restored_prefix_tokens=e.snapshot.restored * e.pool.shape.block_size if e.snapshot else 0,
+            rope_scaling=e.model_config.rope_params)
 
     def close(self) -> None:
         """Cancel what is live, stop the loop thread and save the prefix cache where it is kept."""

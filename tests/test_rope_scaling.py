@@ -152,6 +152,26 @@ def test_the_keys_scale_a_plain_checkpoint_as_its_config_would(scaled):
     assert unscaled != _greedy(scaled("plain"), prompt=PROMPT[:TRAINED - 8], rope_scaling="yarn", rope_scale=4)[0]
 
 
+def test_the_engine_info_shows_the_scaling_served(scaled):
+    """What /props and the front ends read: the model's own scaling under auto, the keys' in its place."""
+    from engine.client import EngineClient
+
+    def info(path, **config):
+        client = EngineClient(LLM(model=str(path), dtype="float32", kv_pool_tokens=512, **config).engine)
+        try:
+            return client.info()
+        finally:
+            client.close()
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED}
+    own = info(scaled("yarn"))
+    assert (own.rope_scaling, own.max_model_len) == (yarn, 4 * TRAINED)
+    assert info(scaled("plain"), rope_scaling="yarn", rope_scale=4).rope_scaling == yarn
+    assert (info(scaled("yarn"), rope_scaling="none").rope_scaling, info(scaled("plain")).rope_scaling) == (None, None)
+    linear = info(scaled("plain"), rope_scaling="linear", rope_scale=2)
+    assert (linear.rope_scaling["rope_type"], linear.max_model_len) == ("linear", 2 * TRAINED)
+
+
 def test_none_serves_the_trained_context_with_plain_rotary(scaled):
     short = PROMPT[:TRAINED - 8]
     assert _greedy(scaled("yarn"), prompt=short, rope_scaling="none") == _greedy(scaled("plain"), prompt=short)
