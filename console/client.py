@@ -96,6 +96,14 @@ def restored(tokens: int) -> str:
     return f" · {tokens:,} cached tokens restored" if tokens else ""
 
 
+def context(max_model_len: int | None, rope_scaling: dict | None) -> str:
+    """The description's context length, and the rotary scaling that stretches it (e.g. yarn x4)."""
+    if not max_model_len:
+        return ""
+    scaled = f" ({rope_scaling['rope_type']} x{rope_scaling['factor']:g})" if rope_scaling else ""
+    return f" · {max_model_len:,}-token context{scaled}"
+
+
 class InProcessClient:
     """An engine in this process (`pagedserve chat --model M`)."""
 
@@ -112,7 +120,8 @@ class InProcessClient:
         self._engine.submit(prompt="hi", params=SamplingParams(max_tokens=1), client="warm-up").result()
         info = self._engine.info()
         return (f"{info.model} · {info.architecture} · {info.dtype} on {info.device} · "
-                f"weights {info.weights} · {info.kv_pool_tokens:,} K/V tokens "
+                f"weights {info.weights}{context(info.max_model_len, info.rope_scaling)} · "
+                f"{info.kv_pool_tokens:,} K/V tokens "
                 f"({info.kv_pool_bytes / 2**30:.1f} GiB, {info.kv_cache_dtype}){restored(info.restored_prefix_tokens)}")
 
     def stream(self, messages: list[dict], *, temperature: float, max_tokens: int,
@@ -230,7 +239,8 @@ class HttpClient:
         stored = f", {props['kv_cache_dtype']}" if "kv_cache_dtype" in props else ""
         pool = (f" · {props['kv_pool_tokens']:,} K/V tokens ({props['kv_pool_bytes'] / 2**30:.1f} GiB{stored})"
                 if "kv_pool_bytes" in props else "")
-        return f"{name} · {self.url}{pool}{restored(props.get('restored_prefix_tokens', 0))}"
+        return (f"{name} · {self.url}{context(props.get('max_model_len'), props.get('rope_scaling'))}{pool}"
+                f"{restored(props.get('restored_prefix_tokens', 0))}")
 
     def stream(self, messages: list[dict], *, temperature: float, max_tokens: int,
                client: str) -> ReplyStream:

@@ -28,8 +28,8 @@ def chunk(rid: str, text: str | None = None, finish: str | None = None) -> dict:
 class FakeServer:
     """Records requests; answers the routes the console uses."""
 
-    def __init__(self, key: str = "sekrit"):
-        self.key, self.seen, self.health_calls = key, [], 0
+    def __init__(self, key: str = "sekrit", **props):
+        self.key, self.seen, self.health_calls, self.props = key, [], 0, props
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.seen.append((request.method, request.url.path, request.content))
@@ -44,7 +44,7 @@ class FakeServer:
         if route == ("GET", "/props"):
             return httpx.Response(200, json={"model": "tiny-qwen", "max_model_len": 512,
                                              "kv_pool_tokens": 65664, "kv_pool_bytes": 3 * 2**30 // 2,
-                                             "kv_cache_dtype": "bfloat16"})
+                                             "kv_cache_dtype": "bfloat16"} | self.props)
         if route == ("POST", "/v1/chat/completions"):
             usage = {"id": "req-7", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2,
                                                              "prompt_tokens_details": {"cached_tokens": 4}}}
@@ -68,11 +68,18 @@ def http_client(server: FakeServer, key: str = "sekrit") -> HttpClient:
     return HttpClient("http://127.0.0.1:8000/", key, transport=httpx.MockTransport(server))
 
 
+def test_the_description_names_the_rotary_scaling_that_stretches_the_context():
+    server = FakeServer(max_model_len=131072, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 32768})
+    assert http_client(server).connect(progress=lambda d, t: None).startswith(
+        "tiny-qwen · http://127.0.0.1:8000 · 131,072-token context (yarn x4) · 65,664 K/V tokens")
+
+
 def test_http_client_streams_a_reply_with_the_engine_id_and_usage():
     server = FakeServer()
     client = http_client(server)
     assert (client.connect(progress=lambda d, t: None)
-            == "tiny-qwen · http://127.0.0.1:8000 · 65,664 K/V tokens (1.5 GiB, bfloat16)")
+            == "tiny-qwen · http://127.0.0.1:8000 · 512-token context · 65,664 K/V tokens (1.5 GiB, bfloat16)")
     reply = client.stream([{"role": "user", "content": "hi"}], temperature=0.0, max_tokens=2, client="s1")
     deltas = list(reply)
     assert "".join(d.text for d in deltas) == "Hello" and reply.id == "req-7"

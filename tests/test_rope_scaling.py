@@ -230,3 +230,14 @@ def test_a_draft_model_is_scaled_with_the_target(scaled):
     plain = _greedy(scaled("plain"), rope_scaling="yarn", rope_scale=4)
     assert _greedy(scaled("plain"), rope_scaling="yarn", rope_scale=4, draft_model=str(scaled("plain")),
                    draft_quantization="none") == plain
+
+
+def test_the_console_names_the_scaled_context(scaled):
+    from console.client import InProcessClient
+
+    client = InProcessClient(EngineConfig(model=str(scaled("plain")), dtype="float32", kv_pool_tokens=512,
+                                          rope_scaling="yarn", rope_scale=4))
+    try:
+        assert " · 256-token context (yarn x4) · 512 K/V tokens " in client.connect(lambda d, t: None)
+    finally:
+        client.close()
