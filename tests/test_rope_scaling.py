@@ -80,21 +80,23 @@ def scaled(tiny_checkpoint, tmp_path_factory):
     """name -> a tiny checkpoint trained (max_position_embeddings) to TRAINED positions, with
     SCALINGS[name] in its config.json; "plain" has none."""
     def make(name: str):
-        arch = "llama" if name == "llama3" else "qwen2"
+        arch = "llama" if name.startswith("llama3") else "qwen2"
         source = tiny_checkpoint(arch, tied=False, heads=4, kv_heads=2, head_dim=32, max_pos=TRAINED)
         if name == "plain":
             return source
         path = tmp_path_factory.mktemp(f"rope-{name}")
         shutil.copytree(source, path, dirs_exist_ok=True)
         config = json.loads((path / "config.json").read_text())
-        theta = config.pop("rope_parameters")["rope_theta"]
-        (path / "config.json").write_text(json.dumps(config | {"rope_theta": theta,
-                                                               "rope_scaling": SCALINGS[name]}))
+        if name.endswith("-beside"):    # added to a file transformers 5 wrote: beside its rope_parameters
+            config["rope_scaling"] = SCALINGS[name.removesuffix("-beside")]
+        else:                           # the older layout: theta and rope_scaling at the top level
+            config |= {"rope_theta": config.pop("rope_parameters")["rope_theta"], "rope_scaling": SCALINGS[name]}
+        (path / "config.json").write_text(json.dumps(config))
         return path
     return make
 
 
-@pytest.mark.parametrize("name", ["yarn", "linear", "llama3"])
+@pytest.mark.parametrize("name", ["yarn", "yarn-beside", "linear", "llama3"])
 def test_logits_past_the_trained_context_match_transformers(scaled, name):
     path = scaled(name)
     cfg = parse_model_config(open_checkpoint(path).config)

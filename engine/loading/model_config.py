@@ -103,11 +103,15 @@ class ModelConfig:
 
 def _rope(cfg: dict) -> tuple[float, float, RopeScaling | None, int]:
     """theta, the rotary fraction, the scaling and the positions served. transformers 5 nests rope settings
-    in `rope_parameters`; older files keep them top level, the scaling in `rope_scaling`."""
-    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    in `rope_parameters`; older files keep them top level, the scaling in `rope_scaling`, which (as in
+    transformers) replaces rope_parameters where a file has both: model cards say to add it to config.json."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+
+    def first(key: str, default):
+        return next((d[key] for d in (params, cfg.get("rope_parameters") or {}, cfg) if key in d), default)
+
     kind = params.get("rope_type") or params.get("type") or "default"
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    theta, factor = first("rope_theta", 10000.0), first("partial_rotary_factor", 1.0)
     scaling, positions = parse_rope_scaling(kind, params, int(cfg.get("max_position_embeddings", 4096)))
     return float(theta), float(factor), scaling, positions
 

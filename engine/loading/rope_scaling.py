@@ -25,8 +25,8 @@ class RopeScaling:
 
     @property
     def max_positions(self) -> int:
-        """How many positions the scaled model serves (as vLLM derives it): yarn and linear `factor`
-        times the original context; llama3 configs state theirs in max_position_embeddings."""
+        """How many positions a yarn or linear scaling serves (as vLLM derives it): `factor` times the
+        original context. (llama3 configs state theirs in max_position_embeddings.)"""
         return int(self.original_max_position_embeddings * self.factor)
 
 
@@ -43,7 +43,7 @@ def parse_rope_scaling(kind: str, params: dict, max_position_embeddings: int) ->
         factor = max_position_embeddings / original
     if factor is None or float(factor) < 1:
         raise ValueError(f"{kind} rope scaling needs a 'factor' >= 1, got {factor!r}")
-    missing = [k for k in _EXTRA[kind] if kind == "llama3" and k not in params]
+    missing = [k for k in _EXTRA[kind] if k not in params] if kind == "llama3" else []
     if missing:
         raise ValueError(f"llama3 rope scaling needs {', '.join(map(repr, missing))}")
     extra = tuple((k, params[k]) for k in _EXTRA[kind] if params.get(k) is not None)
