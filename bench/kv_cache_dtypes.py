@@ -37,8 +37,10 @@ SESSION = 8192
 
 
 def _engine(args, kv_dtype: str, tokens: int, streams: int = 1) -> LLM:
+    # speculative off: the figures are plain decode steps'
     return LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=kv_dtype, max_concurrency=streams,
-               max_model_len=tokens + args.tokens + 64, kv_pool_tokens=tokens + streams * (args.tokens + 128))
+               max_model_len=tokens + args.tokens + 64, kv_pool_tokens=tokens + streams * (args.tokens + 128),
+               speculative="none")
 
 
 def speed(args) -> None:

@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     _wrap_sampling()
     model = str(bench_model_dir(args.model)) if args.model in SPECS else args.model
     llm = LLM(model=model, dtype=args.dtype, quantization=args.quantization, max_concurrency=max_rows,
-              max_model_len=max_len, kv_pool_tokens=(max_rows + 1) * max_len, threads=args.threads)
+              max_model_len=max_len, kv_pool_tokens=(max_rows + 1) * max_len, threads=args.threads,
+              speculative="none")
     loop = llm.engine.loop
     print(f"model {args.model}, {llm.engine.dtype}, weights {llm.engine.weights}, {torch.get_num_threads()} threads, context {args.context}, "
           f"{args.steps} steps per case", flush=True)

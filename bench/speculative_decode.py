@@ -1,7 +1,8 @@
 """Speculative decoding (n-gram lookup, a draft model) against plain decoding on the same model, in one
 process: wall time of greedy replies to a code-editing prompt (a 166-line Python file, the stdlib's
-colorsys.py, to return with type hints: the reply repeats most of the prompt) and to a prompt whose
-reply does not repeat it, at 1 and 8 streams, rounds alternated, medians and the per-round ratio.
+colorsys.py, to return with type hints: the reply repeats most of the prompt), to a prompt whose
+reply does not repeat it (a function from its docstring) and to one whose reply is prose, at 1 and 8
+streams, rounds alternated, medians and the per-round ratio.
 Greedy outputs are compared, and the first differing position shown: with the quantized CPU kernels a
 verify row's tokens get the same bits as decode steps (README, "Speculative decoding"), so none should differ.
 
@@ -28,6 +29,8 @@ PROMPTS = {
     "fresh": [{"role": "user", "content": "Write the body of this function, then explain it briefly.\n\n```python\n"
                                           "def nth_prime(n: int) -> int:\n    \"\"\"The n-th prime number "
                                           "(nth_prime(1) == 2), from a sieve that grows as needed.\"\"\"\n```"}],
+    "prose": [{"role": "user", "content": "In a few paragraphs, when should a Python service use threads, "
+                                          "processes or asyncio? No code."}],
 }
 
 
@@ -49,7 +52,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
     args = p.parse_args(argv)
     common = dict(model=args.model, max_concurrency=max(args.streams), max_model_len=4096, kv_pool_tokens=32768)
-    extra = {"none": {}, "ngram": dict(speculative="ngram"), "draft": dict(draft_model=args.draft_model)}
+    extra = {"none": dict(speculative="none"), "ngram": dict(speculative="ngram"),
+             "draft": dict(draft_model=args.draft_model)}
     engines = {m: LLM(**common, **extra[m]) for m in dict.fromkeys(["none", *args.methods])}
     print(f"{args.model}: {engines['none'].engine.weights}, dtype {engines['none'].engine.dtype}")
     for name in args.prompts:

@@ -30,7 +30,7 @@ def case_llm(request, bench_checkpoint, bench_dtype):
             pytest.skip(f"preset {DEFAULT_PRESET} is not downloaded: run `pagedserve pull {DEFAULT_PRESET}`")
     spec = str(bench_checkpoint) if model == "bench" else model
     llm = LLM(model=spec, dtype=bench_dtype, quantization=quantization, max_concurrency=max(BATCHES),
-              max_model_len=MAX_MODEL_LEN, kv_pool_tokens=max(BATCHES) * MAX_MODEL_LEN, threads=0)
+              max_model_len=MAX_MODEL_LEN, kv_pool_tokens=max(BATCHES) * MAX_MODEL_LEN, threads=0, speculative="none")
     yield model, quantization, llm
     llm.close()
     del llm
