@@ -84,17 +84,29 @@ def resolve_max_model_len(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     return cfg.max_model_len or limit
 
 
-def build_speculator(cfg: EngineConfig) -> Speculator | None:
-    if cfg.speculative == "none":
+def resolve_speculative(cfg: EngineConfig, device: torch.device, model: DecoderModel) -> str:
+    """speculative resolved: auto = ngram where a verify row cannot change a token and costs little (a CPU,
+    an attention-only model without experts, every linear weight quantized: those kernels compute each
+    row's tokens as decode steps do), else none. A hybrid's verify row replays its recurrent layers token
+    by token, MoE experts stay dense, and overlap_scheduling = "on" needs each step's tokens left unread."""
+    if cfg.speculative != "auto":
+        return cfg.speculative
+    exact = (device.type == "cpu" and model.state_shape is None and not model.cfg.num_experts
+             and model.linears.all_quantized)
+    return "ngram" if exact and cfg.overlap_scheduling != "on" else "none"
+
+
+def build_speculator(method: str, cfg: EngineConfig) -> Speculator | None:
+    if method == "none":
         return None
-    proposer = DraftProposer() if cfg.speculative == "draft" else NgramProposer(cfg.ngram_min, cfg.ngram_max)
+    proposer = DraftProposer() if method == "draft" else NgramProposer(cfg.ngram_min, cfg.ngram_max)
     return Speculator(proposer, cfg.num_speculative_tokens)
 
 
-def resolve_overlap(cfg: EngineConfig, device: torch.device) -> bool:
+def resolve_overlap(cfg: EngineConfig, device: torch.device, speculative: str) -> bool:
     """overlap_scheduling resolved: auto = on GPUs, unless speculative decoding needs each step's tokens."""
     if cfg.overlap_scheduling == "auto":
-        return device.type == "cuda" and cfg.speculative == "none"
+        return device.type == "cuda" and speculative == "none"
     return cfg.overlap_scheduling == "on"
 
 
@@ -148,6 +160,7 @@ class Engine:
     sampling_defaults: dict = field(default_factory=dict)   # from generation_config.json
     draft: DraftModel | None = None         # speculative = "draft"
     snapshot: KVSnapshot | None = None      # prefix_cache_dir: the prefix cache kept across restarts
+    speculative: str = "none"               # the method served (config speculative resolved)
 
     @property
     def weights(self) -> str:
@@ -198,11 +211,11 @@ def _build(cfg: EngineConfig, progress) -> Engine:
     max_len = resolve_max_model_len(cfg, model_cfg)
     kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, device, dtype)
     check_kv_layout(kv_dtype, model_cfg.head_dim, cfg.block_size)
-    speculator = build_speculator(cfg)
     model = build_decoder(model_cfg, ckpt, dtype, device,
                           LinearLoader(ckpt, dtype, device, quantization, cfg.quant_group_size))
     state_shape = model.state_shape
     ckpt.close()
+    speculative = resolve_speculative(cfg, device, model)
     draft = build_draft(cfg, model, dtype, device, max_len, progress)
     num_slots = plan_num_state_slots(cfg.max_concurrency, cfg.state_spare_slots) if state_shape else 0
 
@@ -232,13 +245,14 @@ def _build(cfg: EngineConfig, progress) -> Engine:
                          budget=budget, state_pool=state_pool,
                          compile=cfg.compile, fullgraph=whole_graph,
                          graphs=DecodeGraphs if whole_graph and cfg.cuda_graphs else None, draft=draft_model)
-    scheduler = (OverlapScheduler if resolve_overlap(cfg, device) else Scheduler)(
-        runner, max_waiting=cfg.max_waiting, prefix_cache=cfg.prefix_cache, speculator=speculator)
+    scheduler = (OverlapScheduler if resolve_overlap(cfg, device, speculative) else Scheduler)(
+        runner, max_waiting=cfg.max_waiting, prefix_cache=cfg.prefix_cache,
+        speculator=build_speculator(speculative, cfg))
     loop = EngineLoop(scheduler, tokenizer, eos, max_lag_tokens=cfg.client_max_lag_tokens,
                       timeout_s=cfg.client_timeout_s,
                       grammars=GrammarCompiler(tokenizer.to_json(), model_cfg.vocab_size, eos))
     engine = Engine(cfg, model_cfg, str(path), tokenizer, model, pool, runner, scheduler, loop,
-                    dtype, device, max_len, state_pool, sampling_defaults, draft_model)
+                    dtype, device, max_len, state_pool, sampling_defaults, draft_model, speculative=speculative)
     engine.snapshot = warm_restart(engine, quantization)
     return engine
 

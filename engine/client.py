@@ -36,6 +36,7 @@ class EngineInfo:
     restored_prefix_tokens: int = 0     # cached tokens read back from prefix_cache_dir at the start
     rope_scaling: dict | None = None    # the rotary scaling served (rope_type, factor, the trained context
                                         # ...); None = plain rotary
+    speculative: str = "none"           # the speculative decoding served: none, ngram or draft (config resolved)
 
 
 class EngineClient:
@@ -112,7 +113,7 @@ class EngineClient:
             overlap_scheduling=e.scheduler.overlapped, vocab_size=e.model_config.vocab_size,
             sampling_defaults=dict(e.sampling_defaults),
             restored_prefix_tokens=e.snapshot.restored * e.pool.shape.block_size if e.snapshot else 0,
-            rope_scaling=e.model_config.rope_params)
+            rope_scaling=e.model_config.rope_params, speculative=e.speculative)
 
     def close(self) -> None:
         """Cancel what is live, stop the loop thread and save the prefix cache where it is kept."""

@@ -86,8 +86,9 @@ class EngineConfig:
                                                "often and only when the cache gained blocks, so a crash loses at most "
                                                "this long of it; a request that comes stops the save until the next idle "
                                                "moment; 0 = only when the engine stops")
-    speculative: str = _choice("none", ("none", "ngram", "draft"), "speculative decoding, verified in the same step (greedy output is unchanged): "
-                               "ngram = the tokens that followed an earlier occurrence of the latest ones (prompt lookup), draft = what draft_model proposes")
+    speculative: str = _choice("auto", ("auto", "none", "ngram", "draft"), "speculative decoding, verified in the same step (greedy output is unchanged): "
+                               "ngram = the tokens that followed an earlier occurrence of the latest ones (prompt lookup), draft = what draft_model proposes; "
+                               "auto = ngram on CPUs for attention-only models whose linear weights are all quantized (the GGUF presets), else none")
     draft_model: str = _key("", "a preset name, a checkpoint dir or a .gguf file (empty = none)", lambda v: True,
                             "the model that proposes tokens for speculative = \"draft\" (setting it turns that on); it must share model's vocabulary")
     draft_quantization: str = _choice("auto", ("auto", "none", "int8", "int4"),
@@ -107,7 +108,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _validate_instance(self)
-        if self.draft_model and self.speculative == "none":     # naming a draft model asks for it
+        if self.draft_model and self.speculative in ("none", "auto"):     # naming a draft model asks for it
             object.__setattr__(self, "speculative", "draft")
         problems = [f"ngram_min = {self.ngram_min} is more than ngram_max = {self.ngram_max}; raise ngram_max or "
                     "lower ngram_min"] if self.ngram_min > self.ngram_max else []
@@ -118,7 +119,7 @@ class EngineConfig:
             problems.append(f'rope_scaling = "{self.rope_scaling}" with rope_scale = {self.rope_scale:g}: "yarn" and '
                             '"linear" need rope_scale, how many times the trained context to serve (e.g. '
                             '--rope-scaling yarn --rope-scale 4), and rope_scale needs one of them')
-        if self.overlap_scheduling == "on" and self.speculative != "none":
+        if self.overlap_scheduling == "on" and self.speculative not in ("none", "auto"):
             problems.append(f'overlap_scheduling = "on" with speculative = "{self.speculative}": speculation proposes '
                             'from the tokens overlap leaves unread; set one of them off')
         if problems:

@@ -48,13 +48,13 @@ async def props(request: Request):
     prefix_cache = {"enabled": host.engine_cfg.prefix_cache, "hit_rate": s.prefix_cache_hit_rate,
                     "cached_blocks": s.cached_blocks, "evictions": s.cache_evictions_total,
                     "checkpoints": s.checkpoints, "checkpoint_hits": s.checkpoint_hits_total}
-    cfg = host.engine_cfg
-    speculative = {"method": cfg.speculative, "draft_model": cfg.draft_model,
+    cfg, info = host.engine_cfg, client.info()
+    speculative = {"method": info.speculative, "draft_model": cfg.draft_model,
                    "num_speculative_tokens": cfg.num_speculative_tokens,
                    "proposed_tokens": s.spec_proposed_tokens_total, "accepted_tokens": s.spec_accepted_tokens_total,
                    "verify_rows": s.spec_verify_rows_total, "acceptance_rate": s.spec_acceptance_rate,
                    "mean_acceptance_length": s.spec_mean_acceptance_length}
-    return (dataclasses.asdict(client.info()) | {"config": dataclasses.asdict(cfg)}
+    return (dataclasses.asdict(info) | {"config": dataclasses.asdict(cfg)}
             | {"prefix_cache": prefix_cache, "speculative": speculative})
 
 

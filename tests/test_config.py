@@ -22,7 +22,7 @@ SPEC_ENGINE = dict(model="qwen2.5-coder-1.5b", dtype="auto", device="auto", max_
                    block_size=16, max_model_len=0, rope_scaling="auto", rope_scale=0.0, compile=False, cuda_graphs=True, threads=0, max_waiting=256,
                    client_max_lag_tokens=1024, client_timeout_s=60.0, prefix_cache=True, prefix_cache_dir="",
                    prefix_cache_save_interval_s=300.0,
-                   speculative="none", draft_model="", draft_quantization="auto", num_speculative_tokens=5,
+                   speculative="auto", draft_model="", draft_quantization="auto", num_speculative_tokens=5,
                    ngram_min=2, ngram_max=4,
                    state_spare_slots=4, quantization="auto", quant_group_size=32, kv_cache_dtype="auto",
                    overlap_scheduling="auto")

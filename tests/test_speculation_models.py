@@ -188,10 +188,10 @@ def test_a_lazy_grammar_keeps_greedy_output_and_its_proposals_stop_before_the_tr
 
 
 def test_what_speculation_refuses():
-    assert build_speculator(EngineConfig()) is None
+    assert build_speculator("none", EngineConfig()) is None
     with pytest.raises(ConfigError, match="ngram_min = 5 is more than ngram_max = 4"):
         EngineConfig(ngram_min=5)
-    with pytest.raises(ConfigError, match='speculative = "eagle": must be one of "none", "ngram", "draft"'):
+    with pytest.raises(ConfigError, match='speculative = "eagle": must be one of "auto", "none", "ngram", "draft"'):
         EngineConfig(speculative="eagle")
 
 
@@ -202,7 +202,8 @@ def test_metrics_props_and_the_request_table_show_the_counters(tiny_checkpoint):
     from server.app import create_app
 
     path = str(tiny_checkpoint("qwen3", tied=False, heads=8, kv_heads=2, head_dim=32, max_pos=2048))
-    cfg = EngineConfig(model=path, dtype="float32", max_model_len=256, kv_pool_tokens=4096, speculative="ngram")
+    # the default, auto: ngram for weights that are all quantized; /props names the method served
+    cfg = EngineConfig(model=path, dtype="float32", quantization="int4", max_model_len=256, kv_pool_tokens=4096)
     auth = {"Authorization": "Bearer admin"}
     with TestClient(create_app(cfg, ServerConfig(admin_key="admin"))) as http:
         while http.get("/health").status_code != 200:
