@@ -1,12 +1,14 @@
 """Hermes-style tool calls (Qwen2.5, Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-also as a fenced JSON block or a bare object opening the reply, streamed as the arguments object is
-written (a bare object's once it is whole)."""
+also as a fenced JSON block or a bare object opening the reply. A tagged call streams as its arguments
+object is written (the server's lazy grammar holds what follows the tag to a well-formed call); a
+fenced or bare one, which no grammar holds, is parsed once it is whole, and is content if it is no
+valid call."""
 from __future__ import annotations
 
 import json
 import re
 
-from server.tool_call_parser import CALL_END, CALL_START, ToolCallParser
+from server.tool_call_parser import CALL_END, CALL_START, ToolCallParser, held_tag_start
 
 
 _HERMES_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -28,6 +30,7 @@ class HermesParser(ToolCallParser):
         self._sent = 0           # characters of the arguments already emitted
         self._bare_ok = True     # nothing but bare calls so far: an object here may be one too
         self._bare_end: _ObjectEnd | None = None     # where the open bare object ends
+        self._fenced_end: _ObjectEnd | None = None   # where the object in the open fence ends
 
     def _step_call(self, final: bool) -> bool:
         region, closed = self._block_region()
@@ -44,7 +47,7 @@ class HermesParser(ToolCallParser):
             if not (closed or final):
                 return False
             self._streaming = None
-        elif self._block is not _BARE and self._read_header(region):
+        elif self._block[0] == CALL_START and self._read_header(region):
             return True
         elif closed or final:
             call = _parse_call_json(region, self._tools)
@@ -69,10 +72,27 @@ class HermesParser(ToolCallParser):
         return super()._step_outside(final)
 
     def _block_region(self) -> tuple[str, bool]:
-        if self._block is not _BARE:
+        if self._block is _BARE:
+            end = self._bare_end.scan(self._buf)
+            return (self._buf, False) if end is None else (self._buf[:end], True)
+        body = self._buf.lstrip()
+        if self._block[0] == CALL_START or not body.startswith("{"):
             return super()._block_region()
-        end = self._bare_end.scan(self._buf)
-        return (self._buf, False) if end is None else (self._buf[:end], True)
+        # a fence holding an object closes after it: a fence inside one of its strings (a file's
+        # content written with Markdown in it) is part of the call
+        self._fenced_end = self._fenced_end or _ObjectEnd()
+        end = self._fenced_end.scan(body)
+        if end is None:
+            return self._buf, False
+        after = len(self._buf) - len(body) + end
+        close = self._buf.find(self._block[1], after)
+        if close >= 0:
+            return self._buf[:close], True
+        return self._buf[:after + held_tag_start(self._buf[after:], self._block[1])], False
+
+    def _leave_block(self, region: str, closed: bool) -> None:
+        super()._leave_block(region, closed)
+        self._fenced_end = None
 
     def _reject_block(self, region: str, closed: bool) -> None:
         self._bare_ok = False       # the reply has content: later objects are content too

@@ -195,12 +195,21 @@ HERMES_CASES = [
     # the object in a Markdown fence, as small Qwen2.5-Coder models write it
     Case("fenced_json_call",
          'Calling it.\n```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
-         "Calling it.", [("get_weather", '{\n    "city": "Paris"\n  }')]),
+         "Calling it.", [("get_weather", '{"city": "Paris"}')]),
     Case("keys_after_arguments",
          '<tool_call>\n{"name": "search", "arguments": {"query": "q"}, "reason": {"a": "}"}}\n</tool_call>',
          "", [("search", '{"query": "q"}')]),
     Case("fenced_plain_call", '```\n{"name": "search", "arguments": {"query": "x"}}\n```\nok',
          "\nok", [("search", '{"query": "x"}')]),
+    # a fence closes after the object it holds, not at a fence inside one of its strings
+    Case("fenced_call_with_a_fence_in_a_string",
+         '```json\n{"name": "write_file", "arguments": {"path": "a.md", "content": "# A\\n```sh\\nls\\n```\\n"}}'
+         '\n```\nSaved.', "\nSaved.", [("write_file", '{"path": "a.md", "content": "# A\\n```sh\\nls\\n```\\n"}')]),
+    # no grammar holds a fenced call: one that is no valid JSON (as the 1.5B model wrote a file's
+    # docstring, its quotes unescaped) stays content rather than a call with broken arguments
+    Case("fenced_malformed_call_is_content",
+         '```json\n{\n  "name": "write_file",\n  "arguments": {\n    "path": "a.py",\n    "content": '
+         '"```python\n"""Doc."""\nx = {1: 2}\n```"\n  }\n}\n```', SAME),
     Case("fenced_code_is_content", "Here:\n```python\nprint('hi')\n```\n", SAME),
     Case("fenced_json_data_is_content", 'Data:\n```json\n{"name": "Bob", "age": 3}\n```', SAME),
     Case("fenced_json_list_is_content", '```json\n[1, 2, 3]\n```', SAME),
