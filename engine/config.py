@@ -97,7 +97,7 @@ class EngineConfig:
                                       "weights once per proposal), as quantization on GPUs; none/int8/int4 as "
                                       "quantization takes them")
     num_speculative_tokens: int = _key(5, "an integer between 1 and 32", lambda v: 1 <= v <= 32, "most tokens proposed per request and step")
-    ngram_min: int = _key(2, "an integer between 1 and 16", lambda v: 1 <= v <= 16, "shortest run of latest tokens the ngram proposer looks up")
+    ngram_min: int = _key(3, "an integer between 1 and 16", lambda v: 1 <= v <= 16, "shortest run of latest tokens the ngram proposer looks up")
     ngram_max: int = _key(4, "an integer between 1 and 16, >= ngram_min", lambda v: 1 <= v <= 16, "longest run looked up (tried first)")
     overlap_scheduling: str = _choice("auto", ("auto", "on", "off"), "plan each step while the one before runs, its drawn tokens left on the device; auto = on GPUs unless speculative decoding is on (it proposes from those tokens); on CPUs a step runs to its end before the next is planned either way")
     state_spare_slots: int = _key(4, "an integer >= 0", lambda v: v >= 0, "extra recurrent-state slots that hold prefix-cache checkpoints (hybrid models)")

@@ -23,7 +23,7 @@ SPEC_ENGINE = dict(model="qwen2.5-coder-1.5b", dtype="auto", device="auto", max_
                    client_max_lag_tokens=1024, client_timeout_s=60.0, prefix_cache=True, prefix_cache_dir="",
                    prefix_cache_save_interval_s=300.0,
                    speculative="auto", draft_model="", draft_quantization="auto", num_speculative_tokens=5,
-                   ngram_min=2, ngram_max=4,
+                   ngram_min=3, ngram_max=4,
                    state_spare_slots=4, quantization="auto", quant_group_size=32, kv_cache_dtype="auto",
                    overlap_scheduling="auto")
 SPEC_SERVER = dict(host="127.0.0.1", port=8000, api_key="", max_body_bytes=1048576, admin_key="",

@@ -36,6 +36,7 @@ def model_path(request, tiny_checkpoint, repeating_hybrid):
 
 
 def _llm(path, **kw):
+    kw.setdefault("ngram_min", 2)       # the prompts' loops give lookups of 2 tokens both outcomes
     kw.setdefault("kv_pool_tokens", 4096)
     kw.setdefault("max_model_len", 256)
     return LLM(model=path, dtype="float32", **kw)
