@@ -27,8 +27,9 @@ LONG_JSON = Grammar.json_schema({"type": "array", "items": {"type": "integer"}, 
 def llm(bench_checkpoint, bench_dtype):
     from engine.loading.presets import pulled_path
     spec = DEFAULT_PRESET if pulled_path(DEFAULT_PRESET) is not None else str(bench_checkpoint)
+    # speculative off: unconstrained rows would get proposals that constrained ones never get
     llm = LLM(model=spec, dtype=bench_dtype, max_concurrency=max(BATCHES), max_model_len=MAX_MODEL_LEN,
-              kv_pool_tokens=max(BATCHES) * MAX_MODEL_LEN)
+              kv_pool_tokens=max(BATCHES) * MAX_MODEL_LEN, speculative="none")
     yield spec, llm
     llm.close()
     del llm
