@@ -29,8 +29,7 @@ class HermesParser(ToolCallParser):
                                                    # holds its arguments, scanned for their end
         self._sent = 0           # characters of the arguments already emitted
         self._bare_ok = True     # nothing but bare calls so far: an object here may be one too
-        self._bare_end: _ObjectEnd | None = None     # where the open bare object ends
-        self._fenced_end: _ObjectEnd | None = None   # where the object in the open fence ends
+        self._object_end: _ObjectEnd | None = None   # where the open bare or fenced object ends
 
     def _step_call(self, final: bool) -> bool:
         region, closed = self._block_region()
@@ -65,7 +64,7 @@ class HermesParser(ToolCallParser):
             body = self._buf.lstrip()
             if body.startswith("{"):
                 self._held_ws = self._buf[:len(self._buf) - len(body)]
-                self._buf, self._block, self._bare_end = body, _BARE, _ObjectEnd()
+                self._buf, self._block, self._object_end = body, _BARE, _ObjectEnd()
                 return True
             if body or final:
                 self._bare_ok = False
@@ -73,15 +72,15 @@ class HermesParser(ToolCallParser):
 
     def _block_region(self) -> tuple[str, bool]:
         if self._block is _BARE:
-            end = self._bare_end.scan(self._buf)
+            end = self._object_end.scan(self._buf)
             return (self._buf, False) if end is None else (self._buf[:end], True)
         body = self._buf.lstrip()
         if self._block[0] == CALL_START or not body.startswith("{"):
             return super()._block_region()
         # a fence holding an object closes after it: a fence inside one of its strings (a file's
         # content written with Markdown in it) is part of the call
-        self._fenced_end = self._fenced_end or _ObjectEnd()
-        end = self._fenced_end.scan(body)
+        self._object_end = self._object_end or _ObjectEnd()
+        end = self._object_end.scan(body)
         if end is None:
             return self._buf, False
         after = len(self._buf) - len(body) + end
@@ -92,7 +91,7 @@ class HermesParser(ToolCallParser):
 
     def _leave_block(self, region: str, closed: bool) -> None:
         super()._leave_block(region, closed)
-        self._fenced_end = None
+        self._object_end = None
 
     def _reject_block(self, region: str, closed: bool) -> None:
         self._bare_ok = False       # the reply has content: later objects are content too

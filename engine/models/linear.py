@@ -81,7 +81,6 @@ class LinearLoader:
         self.ckpt, self.dtype, self.device = ckpt, dtype, device
         self.mode, self.group_size = mode, group_size
         self.formats: Counter[str] = Counter()      # "int4 g32 asym" / "bfloat16" -> weights loaded
-        self.dense = 0                              # of them, those kept dense
 
     def keeps_dense(self, names: list[str]) -> bool:
         return self.mode == "none" or (self.mode == "auto" and not any(map(self.ckpt.is_quantized, names)))
@@ -97,7 +96,7 @@ class LinearLoader:
         weights = [self.ckpt.get_linear(name, (n, k), self.dtype, *rows) for name, n, k, *rows in parts]
         if self.keeps_dense([name for name, *_ in parts]):
             dense = [w.dequantize().to(self.dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
-            self._count_dense()
+            self.formats[self._dense_format] += 1
             return (dense[0] if len(dense) == 1 else torch.cat(dense)).to(self.device)
         if self.mode == "auto" and all(isinstance(w, QuantizedWeight) for w in weights):
             runs = [QuantizedWeight.cat(list(run)) for _, run in groupby(weights, key=lambda w: w.bits)]
@@ -141,17 +140,17 @@ class LinearLoader:
             weight = _to_bits(dense, 8 if self.mode == "int8" else 4, self.group_size)
             self.formats[weight.describe()] += 1
             return weight
-        self._count_dense()
+        self.formats[self._dense_format] += 1
         return dense
 
-    def _count_dense(self) -> None:
-        self.formats[str(self.dtype).removeprefix("torch.")] += 1
-        self.dense += 1
+    @property
+    def _dense_format(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
 
     @property
     def all_quantized(self) -> bool:
         """Whether every linear weight loaded is quantized (embedding lookups do not count)."""
-        return bool(self.formats) and not self.dense
+        return bool(self.formats) and self._dense_format not in self.formats
 
     def describe(self) -> str:
         """What was loaded, for /props and the console: "int4 g32x8 asym x84, int8 g32 sym x15"."""
