@@ -9,6 +9,8 @@ ops/kv_quant.py): K/V are dequantized as they are read, and since quantized K is
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -118,12 +120,13 @@ SPLIT_PREFIX = 4096
 
 
 def _prefill_row(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor, start: int, n: int, n_ctx: int,
-                 table: Tensor, scale: float) -> None:
+                 table: Tensor, scale: float, gather: Callable = gather_kv) -> None:
+    """Row `start .. start + n` of q attended through SDPA; `gather` is gather_kv or a kernel of it."""
     block_size = k_cache.shape[1]
     blocks = table[: (n_ctx + block_size - 1) // block_size].long()
     # the gathered copy of a narrower or quantized cache is widened to q's dtype for SDPA: [Hk, ctx, D]
     keys, values = (x.flatten(0, 1)[:n_ctx].transpose(0, 1)
-                    for x in gather_kv(k_cache, v_cache, blocks, q.dtype, q.shape[-1]))
+                    for x in gather(k_cache, v_cache, blocks, q.dtype, q.shape[-1]))
     queries = queries_for(q[start:start + n], k_cache).transpose(0, 1)             # [Hq, n, D]
     if n_ctx - n >= SPLIT_PREFIX and q.device.type == "cpu":
         out[start:start + n] = _split_at_prefix(queries, keys, values, n_ctx - n, scale).transpose(0, 1)

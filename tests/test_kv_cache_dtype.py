@@ -13,7 +13,8 @@ import torch
 import ops
 import ops.cpu
 from ops import kv_quant
-from ops.paged_attention import reference_paged_attention
+import ops.paged_attention as attention
+from ops.paged_attention import gather_kv, reference_paged_attention
 from ops.write_kv import reference_write_kv
 
 pagedserve = torch.ops.pagedserve
@@ -230,6 +231,45 @@ def test_the_torch_bodies_read_a_narrower_cache_too(kv_dtype):
     got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.125)
     torch.testing.assert_close(got, reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.125),
                                **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+@pytest.mark.parametrize("block", [16, 32])
+def test_the_gather_kernel_dequantizes_to_the_torch_bodys_bits(fmt, block):
+    """gather_kv.cpp, what a long prefill row's SDPA reads: the blocks in any order, repeated too, dequantized
+    to gather_kv's bits in bf16 and fp32 (K still rotated); a block past the cache is refused."""
+    _, kc, vc, _, _, tables = _batch([(70, 1), (50, 1)], 1, 128, torch.float32, fmt, block=block, seed=5)
+    blocks = torch.cat((tables[1, :2], tables[0, :3], tables[1, :1])).long()
+    for dtype in (torch.bfloat16, torch.float32):
+        got, want = ops.cpu.cpp_gather_kv(kc, vc, blocks, dtype, 128), gather_kv(kc, vc, blocks, dtype, 128)
+        assert got[0].dtype == dtype and got[0].shape == (6, block, 2, 128)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(RuntimeError, match=f"block {kc.shape[0]} is not in the cache"):
+        ops.cpu._lib.gather_kv(kc, vc, torch.tensor([0, kc.shape[0]]), 128, True)
+
+
+def test_long_chunks_after_a_long_quantized_prefix_go_to_sdpa_where_amx_bf16_runs(monkeypatch):
+    """Where AMX-BF16 runs, a row of QUANT_SDPA_TOKENS new tokens or more after SPLIT_PREFIX cached ones over a
+    quantized cache is attended by SDPA on the prefix dequantized, exactly; shorter rows keep the kernel, and
+    so does every row of a call where such a row follows a shorter prefix."""
+    assert ops.cpu.QUANT_SDPA_TOKENS == (256 if "amx_bf16" in ops.cpu.INSTRUCTION_SETS else 2**31 - 1)
+    monkeypatch.setattr(ops.cpu, "KERNEL_ROW_TOKENS", 2**31 - 1)
+    monkeypatch.setattr(ops.cpu, "QUANT_SDPA_TOKENS", 20)
+    monkeypatch.setattr(attention, "SPLIT_PREFIX", 40)
+    real = ops.cpu._prefill_row
+    for fmt in QUANT:
+        for rows, routed in (([(100, 37), (45, 5), (64, 1)], [37]), ([(100, 37), (30, 30), (64, 1)], [])):
+            sdpa_rows = []
+            monkeypatch.setattr(ops.cpu, "_prefill_row", lambda *a: sdpa_rows.append(a[5]) or real(*a))
+            q, kc, vc, qsl, ctx, tables = _batch(rows, 6, 128, torch.float32, fmt, seed=3)
+            got = pagedserve.paged_attention(q, kc, vc, qsl, ctx, tables, 0.0883)
+            want = op_reference(q, kc, vc, qsl, ctx, tables, 0.0883, int8_served(fmt))
+            exact = reference_paged_attention(q, kc, vc, qsl, ctx, tables, 0.0883)
+            for i, (_, n) in enumerate(rows):
+                tokens = slice(int(qsl[i]), int(qsl[i + 1]))
+                torch.testing.assert_close(got[tokens], (exact if n in routed else want)[tokens],
+                                           **decode_tol(torch.float32, fmt, n not in routed and int8_served(fmt)))
+            assert sdpa_rows == routed
 
 
 def test_caches_of_different_or_unsupported_dtypes_are_refused():

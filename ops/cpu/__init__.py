@@ -22,10 +22,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ops import kv_quant
+from ops import kv_quant, paged_attention
 from ops._registry import OpInputError, register, require
 from ops.cpu import build
-from ops.paged_attention import _check_lengths, _prefill_row, torch_paged_attention
+from ops.paged_attention import _check_lengths, _prefill_row, gather_kv, torch_paged_attention
 from ops.dense_linear import SMALL_ROWS, torch_dense_linear
 from ops.quant_linear import reference_quant_linear
 from ops.quant_rows import reference_quant_rows
@@ -48,8 +48,14 @@ KERNEL_ROW_TOKENS = 64
 # The same cap for rows over a cache stored in q's own dtype. install() lifts it with the other only where
 # the CPU has no AMX-BF16: with it torch's flash SDPA multiplies on the tiles, many query tokens per K/V
 # read, and beat the kernel from 65-token rows on. Other caches (quantized, or narrower than q) stay with
-# the kernel, which reads them as they are where SDPA would need a widened copy.
+# the kernel, which reads them as they are where SDPA would need a widened copy (but see QUANT_SDPA_TOKENS).
 SAME_DTYPE_ROW_TOKENS = 64
+# With AVX-512 a quantized cache's rows keep the kernel whatever their length, except, where install() finds
+# AMX-BF16, a row of at least this many new tokens after paged_attention.SPLIT_PREFIX or more cached ones (a
+# prefill chunk late in a long prompt): the prefix dequantized once (gather_kv.cpp) and flash SDPA's tile
+# products beat the kernel, which reads the prefix once per token or two. Shorter rows, or a shorter prefix
+# (SDPA's slower masked call), favour the kernel.
+QUANT_SDPA_TOKENS = 2**31 - 1
 # quant_linear calls with this many bf16 x rows or more (prefill chunks) dequantize the weights to bf16 and
 # run torch's GEMM, which has AMX-BF16 tiles to run on where install() finds them (then it sets 128, about
 # where the default model's layers broke even); elsewhere every call keeps the integer kernels. Fewer rows
@@ -64,6 +70,9 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
             or v_cache.stride() != k_cache.stride() or q.shape[2] % 2):
         return torch_paged_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale)
     row_tokens = min(KERNEL_ROW_TOKENS, SAME_DTYPE_ROW_TOKENS) if k_cache.dtype == q.dtype else KERNEL_ROW_TOKENS
+    if k_cache.dtype == torch.uint8 and q.shape[0] >= QUANT_SDPA_TOKENS and _chunks_after_long_prefixes(
+            query_start_loc, context_lens):
+        row_tokens = min(row_tokens, QUANT_SDPA_TOKENS - 1)
     out, prefill = _lib.paged_attention_decode(q.contiguous(), k_cache, v_cache, query_start_loc, context_lens,
                                                block_tables, scale, 0, 0, row_tokens)
     if not prefill:              # the kernel's rows only, and their lengths checked by it
@@ -74,8 +83,24 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
     for i, n_ctx in enumerate(ctx):
         n = starts[i + 1] - starts[i]
         if n > row_tokens:   # longer rows: torch's flash-attention SDPA (see KERNEL_ROW_TOKENS)
-            _prefill_row(out, q, k_cache, v_cache, starts[i], n, n_ctx, block_tables[i], scale)
+            _prefill_row(out, q, k_cache, v_cache, starts[i], n, n_ctx, block_tables[i], scale, cpp_gather_kv)
     return out
+
+
+def _chunks_after_long_prefixes(query_start_loc: Tensor, context_lens: Tensor) -> bool:
+    """Whether some row has QUANT_SDPA_TOKENS new tokens or more and every such row follows SPLIT_PREFIX cached
+    ones or more: one cap serves the whole call (a CPU step holds at most one chunk that long)."""
+    n = query_start_loc.diff()
+    long_rows = n >= QUANT_SDPA_TOKENS
+    prefixes = context_lens[long_rows] - n[long_rows]
+    return bool(long_rows.any()) and bool((prefixes >= paged_attention.SPLIT_PREFIX).all())
+
+
+def cpp_gather_kv(k_cache: Tensor, v_cache: Tensor, blocks: Tensor, dtype: torch.dtype,
+                  head_dim: int) -> tuple[Tensor, Tensor]:
+    if k_cache.dtype != torch.uint8 or dtype not in KERNEL_DTYPES:
+        return gather_kv(k_cache, v_cache, blocks, dtype, head_dim)
+    return _lib.gather_kv(k_cache, v_cache, blocks, head_dim, dtype == torch.bfloat16)
 
 
 def cpp_write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
@@ -174,7 +199,7 @@ def use_backend(backend: str) -> None:
 def install() -> bool:
     """Load the extension (building it if needed) and register its kernels; on failure log one line and
     keep the torch bodies. Returns whether the C++ kernels are in use."""
-    global _lib, INSTRUCTION_SETS, KERNEL_ROW_TOKENS, SAME_DTYPE_ROW_TOKENS, DENSE_ROWS
+    global _lib, INSTRUCTION_SETS, KERNEL_ROW_TOKENS, SAME_DTYPE_ROW_TOKENS, QUANT_SDPA_TOKENS, DENSE_ROWS
     if os.environ.get(ENV_SWITCH, "1") == "0":
         use_backend("torch")
         return False
@@ -192,6 +217,7 @@ def install() -> bool:
             KERNEL_ROW_TOKENS = 2**31 - 1
         if "amx_bf16" in INSTRUCTION_SETS:
             DENSE_ROWS = 128
+            QUANT_SDPA_TOKENS = 256
         else:
             SAME_DTYPE_ROW_TOKENS = KERNEL_ROW_TOKENS
     use_backend("cpp")

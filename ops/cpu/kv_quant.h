@@ -1,6 +1,7 @@
 // Block-quantized K/V rows (q8_0, q4_0) and the tiles a cache keeps them in (both described in
-// ops/kv_quant.py): quantizing a row into its tile as write_kv stores it, the 32-point Walsh-Hadamard rotation
-// of K (and of q in attention), and where the decode attention finds a tile's scales and values.
+// ops/kv_quant.py): quantizing a row into its tile as write_kv stores it and reading it back as gather_kv does,
+// the 32-point Walsh-Hadamard rotation of K (and of q in attention), and where the decode attention finds a
+// tile's scales and values.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -72,20 +73,24 @@ struct Chunk {
   int n;
 };
 
-// Block b of a row (bytes[kBlockBytes], as quantize_block writes it) into slot j of its tile, in the K order
-// (`k`) or the V order.
+// Where byte u of block b's values (q8_0: value u; q4_0: nibble pair u, values u and u + 16) of slot j lies in
+// its tile, in the K order (`k`) or the V order.
+template <class F>
+constexpr int64_t value_byte(int64_t dim, int j, int64_t b, int u, bool k) {
+  if (k) return k_row<F>(dim, b, u / 4) + j * 4 + u % 4;
+  return v_row(dim, std::is_same_v<F, Q8_0> ? 2 * b + u / 16 : b, j / 4) + u % 16 * 4 + j % 4;
+}
+
+// Block b of a row (bytes[kBlockBytes], as quantize_block writes it) into slot j of its tile, and back.
 template <class F>
 inline void store_block(uint8_t* tile, int64_t dim, int j, int64_t b, const uint8_t* bytes, bool k) {
   std::memcpy(tile + scale_of(b, j), bytes, 2);
-  constexpr int kBytes = F::kBlockBytes - 2;       // 32 values (q8_0) or 16 nibble pairs (q4_0)
-  if (k) {
-    for (int r = 0; r < kBytes / 4; ++r) std::memcpy(tile + k_row<F>(dim, b, r) + j * 4, bytes + 2 + 4 * r, 4);
-  } else {
-    for (int u = 0; u < kBytes; ++u) {
-      const int64_t r = std::is_same_v<F, Q8_0> ? 2 * b + u / 16 : b;
-      tile[v_row(dim, r, j / 4) + u % 16 * 4 + j % 4] = bytes[2 + u];
-    }
-  }
+  for (int u = 0; u < F::kBlockBytes - 2; ++u) tile[value_byte<F>(dim, j, b, u, k)] = bytes[2 + u];
+}
+template <class F>
+inline void load_block(const uint8_t* tile, int64_t dim, int j, int64_t b, uint8_t* bytes, bool k) {
+  std::memcpy(bytes, tile + scale_of(b, j), 2);
+  for (int u = 0; u < F::kBlockBytes - 2; ++u) bytes[2 + u] = tile[value_byte<F>(dim, j, b, u, k)];
 }
 
 // x[0..32) times H / sqrt(32): five butterfly stages (pairs (j, j + h) -> (a + b, a - b) for h = 1, 2, 4, 8,
@@ -151,6 +156,18 @@ inline void quantize_block(const float* x, uint8_t* out) {
     for (int i = 0; i < kBlock; ++i)
       nib[i] = static_cast<uint8_t>(std::clamp(std::floor(x[i] * inv + 8.5f), 0.f, 15.f));
     for (int i = 0; i < kBlock / 2; ++i) out[2 + i] = static_cast<uint8_t>(nib[i] | (nib[i + kBlock / 2] << 4));
+  }
+}
+
+// One block's 32 values back from its bytes: scale times value, in fp32 as ops/kv_quant.py's `dequantize`.
+template <class F>
+inline void dequantize_block(const uint8_t* bytes, float* out) {
+  const float d = half_bits_to_float(bytes);
+  for (int i = 0; i < kBlock; ++i) {
+    if constexpr (std::is_same_v<F, Q8_0>)
+      out[i] = d * static_cast<float>(static_cast<int8_t>(bytes[2 + i]));
+    else
+      out[i] = d * static_cast<float>((i < kBlock / 2 ? bytes[2 + i] & 0x0F : bytes[2 + i - kBlock / 2] >> 4) - 8);
   }
 }
 
