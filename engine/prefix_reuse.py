@@ -11,7 +11,7 @@ from __future__ import annotations
 from engine.contracts import PlanRow, StateOp
 from engine.kv.prefix_cache import BlockChain
 from engine.kv.resources import KVResources
-from engine.request import Request
+from engine.request import Request, RequestState
 
 
 class PrefixReuse:
@@ -42,6 +42,23 @@ class PrefixReuse:
             return hit, None
         resume = self.checkpoints.latest(hashes, len(hit))    # K/V past the state would be rewritten
         return hit[:resume], hashes[resume - 1] if resume else None
+
+    def computing(self, req: Request, hit: int, running: list[Request], least: int) -> bool:
+        """Whether a request still prefilling shares `least` tokens or more of req's prompt and has yet
+        to compute some past the `hit` blocks cached now: req then waits to take them from the cache
+        rather than compute them alongside it (agents started at once with one long system prompt). Not
+        for hybrid models, which resume only from checkpoints."""
+        if self.cache is None or self.checkpoints is not None:
+            return False
+        mine = self._chains[req.id].hashes
+        for other in running:
+            if other.state is not RequestState.PREFILL:
+                continue
+            theirs = self._chains[other.id].hashes
+            shared = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            if shared * self.block_size >= least and shared > max(hit, other.num_computed_tokens // self.block_size):
+                return True
+        return False
 
     def admitted(self, req: Request, hit: list[int], restore: bytes | None, state_op: StateOp | None) -> None:
         """A request claimed its resources: count the hit (the request's own count, what its first

@@ -350,11 +350,11 @@ class Scheduler:
         for req in list(self._waiting):
             if req.pause_requested:
                 continue
-            if self._prompt_pending(req.after):
-                return
-            if len(self._running) >= lim.max_rows:
+            if self._prompt_pending(req.after) or len(self._running) >= lim.max_rows:
                 return
             hit, restore = self._prefix.lookup(req)
+            if self._prefix.computing(req, len(hit), self._running, lim.max_prefill_tokens_per_row):
+                return
             claim = self.kv.claim(hit, self._blocks_for(len(req.all_token_ids)) - len(hit) + 1, restore)
             if claim is None:
                 return

@@ -271,6 +271,25 @@ def test_choices_of_one_completion_wait_for_the_first_and_share_its_prompt_block
     assert sched.stats().blocks_used == 0
 
 
+def test_a_request_sharing_a_prompt_being_computed_waits_for_its_blocks():
+    # agents started at once with one 40-token system prompt and their own questions: the second is
+    # admitted once the first has computed the shared blocks and starts from them, rather than compute
+    # them alongside it; one sharing less than a chunk (max_prefill_tokens_per_row, 8) does not wait
+    system = prompt(40)
+    for other, shares in ((system + prompt(6, seed=2), 40), (system[:6] + prompt(30, seed=3), 0)):
+        sched, engine, _ = make_scheduler(prefix_cache=True, block_size=4, max_rows=3, max_prefill_tokens_per_row=8,
+                                          max_prefill_tokens_total=16, prefill_quantum=8)
+        first = Request("a", system + prompt(6, seed=1), SamplingParams(max_tokens=3))
+        second = Request("b", other, SamplingParams(max_tokens=3))
+        sched.add(first), sched.add(second)
+        events = drain(sched)
+        assert second.num_cached_tokens == shares and first_row(engine, "b").start_pos == shares
+        plans = [{row.request_id for row in p.rows} for p in engine.plans]
+        assert ("b" in plans[0]) == (shares == 0)       # the short share ran from the first step
+        for req in (first, second):
+            assert tokens(events[req.id]) == run_alone(req.id, req.prompt_token_ids, 3, block_size=4)
+
+
 def test_a_follower_without_the_prefix_cache_just_computes_its_prompt():
     sched, engine, _ = make_scheduler(prefix_cache=False, block_size=4, max_rows=2)
     ids = prompt(10)
