@@ -344,8 +344,8 @@ class Scheduler:
         return decoders
 
     def _admit(self) -> None:
-        """Strict FIFO over requests that want to run: a head that does not fit blocks the rest.
-        A request takes its cached blocks and reserves the rest of its tokens plus one block."""
+        """Strict FIFO: a head that does not fit, or waits for blocks of its prompt that another request
+        is computing, blocks the rest. It takes its cached blocks and reserves the rest of its tokens plus one block."""
         lim = self._limits
         for req in list(self._waiting):
             if req.pause_requested:

@@ -89,7 +89,8 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
 
 def _chunks_after_long_prefixes(query_start_loc: Tensor, context_lens: Tensor) -> bool:
     """Whether some row has QUANT_SDPA_TOKENS new tokens or more and every such row follows SPLIT_PREFIX cached
-    ones or more: one cap serves the whole call (a CPU step holds at most one chunk that long)."""
+    ones or more: one cap serves the whole call, so such a row after a shorter prefix keeps them all on the
+    kernel (a CPU step's 512 prefill tokens rarely hold two rows that long)."""
     n = query_start_loc.diff()
     long_rows = n >= QUANT_SDPA_TOKENS
     prefixes = context_lens[long_rows] - n[long_rows]
