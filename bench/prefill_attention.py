@@ -1,9 +1,10 @@
 """One layer's attention of a prefill chunk after a cached prefix, by each route `paged_attention` has on
-this CPU: the C++ kernel (every token reading the prefix in turn, a few tokens per K/V read) and torch's
+this CPU: the C++ kernel (every token reading the prefix in turn, a few tokens per K/V read), torch's
 flash SDPA on the prefix gathered and widened or dequantized (`ops.paged_attention._prefill_row`, with the
-C++ gather), calls alternated, medians. Default-model shapes (12 query heads, 2 kv heads, head_dim 128,
+C++ gather) and, for a bf16 cache where the CPU has AVX-512 BF16, prefill_attention.cpp (16 tokens a
+vector), calls alternated, medians. Default-model shapes (12 query heads, 2 kv heads, head_dim 128,
 blocks of 16, shuffled block tables), bf16 queries. What `ops.cpu` sends where (QUANT_SDPA_TOKENS,
-SAME_DTYPE_ROW_TOKENS) comes from tables like this one.
+SAME_DTYPE_ROW_TOKENS, LANES_ROW_TOKENS) comes from tables like this one.
 
     .venv/bin/python bench/prefill_attention.py --kv-dtypes q8_0 q4_0 --chunks 128 256 512 --prefixes 2048 8192 27648
 """
@@ -74,16 +75,23 @@ def main(argv: list[str]) -> None:
                     _prefill_row(out, q, kc, vc, 0, chunk, ctx, table[0], SCALE, ops.cpu.cpp_gather_kv)
                     return out
 
-                times = {"kernel": [], "sdpa": []}
+                def lanes():
+                    return ops.cpu._lib.prefill_attention(q, kc, vc, table[0], ctx, SCALE)
+
+                routes = {"kernel": kernel, "sdpa": sdpa}
+                if kv_dtype == "bf16" and "avx512_bf16" in ops.cpu.INSTRUCTION_SETS:
+                    routes["lanes"] = lanes
+                times = {name: [] for name in routes}
                 for _ in range(args.rounds):
-                    for name, fn in (("kernel", kernel), ("sdpa", sdpa)):
+                    for name, fn in routes.items():
                         start = time.perf_counter()
                         fn()
                         times[name].append(time.perf_counter() - start)
-                k, s = (statistics.median(times[n]) * 1e3 for n in ("kernel", "sdpa"))
-                print(f"{kv_dtype:5s} {chunk:4d} tokens after {prefix:6,d}: kernel {k:7.1f} ms, sdpa {s:7.1f} ms "
-                      f"({k / s:.2f}x)", flush=True)
-
+                ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+                print(f"{kv_dtype:5s} {chunk:4d} tokens after {prefix:6,d}: "
+                      + ", ".join(f"{name} {t:7.1f} ms" for name, t in ms.items())
+                      + f" (kernel / sdpa {ms['kernel'] / ms['sdpa']:.2f}x"
+                      + (f", kernel / lanes {ms['kernel'] / ms['lanes']:.2f}x)" if "lanes" in ms else ")"), flush=True)
 
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -189,6 +189,7 @@ def test_long_rows_over_a_cache_in_qs_dtype_go_to_sdpa_where_amx_bf16_runs(monke
     assert ops.cpu.SAME_DTYPE_ROW_TOKENS == (2**31 - 1 if lifted else 64)
     monkeypatch.setattr(ops.cpu, "KERNEL_ROW_TOKENS", 2**31 - 1)
     monkeypatch.setattr(ops.cpu, "SAME_DTYPE_ROW_TOKENS", 64)
+    monkeypatch.setattr(ops.cpu, "LANES_ROW_TOKENS", 2**31 - 1)     # its own test: test_prefill_attention.py
     sdpa_rows = []
     real = ops.cpu._prefill_row
     monkeypatch.setattr(ops.cpu, "_prefill_row", lambda *a: sdpa_rows.append(a[5]) or real(*a))   # a[5]: its tokens

@@ -61,6 +61,11 @@ QUANT_SDPA_TOKENS = 2**31 - 1
 # where the default model's layers broke even); elsewhere every call keeps the integer kernels. Fewer rows
 # do not pay for dequantizing the whole weight, and verify rows (fewer) keep the integer kernels' bits.
 DENSE_ROWS = 2**31 - 1
+# Rows of more than this many new tokens, bf16 queries over a bf16 cache, go to prefill_attention.cpp, where
+# install() finds AVX-512 BF16 but no AMX (which takes them to SDPA, above): it puts 16 tokens in a vector
+# and needs no folds, where the kernel folds every position's products across the lanes of one token's.
+# Verify rows (fewer tokens) keep the kernel's bits.
+LANES_ROW_TOKENS = 2**31 - 1
 
 
 def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start_loc: Tensor,
@@ -70,6 +75,9 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
             or v_cache.stride() != k_cache.stride() or q.shape[2] % 2):
         return torch_paged_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale)
     row_tokens = min(KERNEL_ROW_TOKENS, SAME_DTYPE_ROW_TOKENS) if k_cache.dtype == q.dtype else KERNEL_ROW_TOKENS
+    lanes = q.dtype == k_cache.dtype == torch.bfloat16 and q.shape[2] in (32, 64, 128, 256)
+    if lanes:
+        row_tokens = min(row_tokens, LANES_ROW_TOKENS)
     if k_cache.dtype == torch.uint8 and q.shape[0] >= QUANT_SDPA_TOKENS and _chunks_after_long_prefixes(
             query_start_loc, context_lens):
         row_tokens = min(row_tokens, QUANT_SDPA_TOKENS - 1)
@@ -82,7 +90,10 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
         _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])
     for i, n_ctx in enumerate(ctx):
         n = starts[i + 1] - starts[i]
-        if n > row_tokens:   # longer rows: torch's flash-attention SDPA (see KERNEL_ROW_TOKENS)
+        if n > row_tokens and lanes and n > LANES_ROW_TOKENS:
+            out[starts[i]:starts[i] + n] = _lib.prefill_attention(q[starts[i]:starts[i] + n].contiguous(), k_cache,
+                                                                  v_cache, block_tables[i], n_ctx, scale)
+        elif n > row_tokens:   # longer rows: torch's flash-attention SDPA (see KERNEL_ROW_TOKENS)
             _prefill_row(out, q, k_cache, v_cache, starts[i], n, n_ctx, block_tables[i], scale, cpp_gather_kv)
     return out
 
@@ -200,7 +211,8 @@ def use_backend(backend: str) -> None:
 def install() -> bool:
     """Load the extension (building it if needed) and register its kernels; on failure log one line and
     keep the torch bodies. Returns whether the C++ kernels are in use."""
-    global _lib, INSTRUCTION_SETS, KERNEL_ROW_TOKENS, SAME_DTYPE_ROW_TOKENS, QUANT_SDPA_TOKENS, DENSE_ROWS
+    global _lib, INSTRUCTION_SETS, KERNEL_ROW_TOKENS, SAME_DTYPE_ROW_TOKENS, QUANT_SDPA_TOKENS, DENSE_ROWS, \
+        LANES_ROW_TOKENS
     if os.environ.get(ENV_SWITCH, "1") == "0":
         use_backend("torch")
         return False
@@ -221,6 +233,8 @@ def install() -> bool:
             QUANT_SDPA_TOKENS = 256
         else:
             SAME_DTYPE_ROW_TOKENS = KERNEL_ROW_TOKENS
+            if "avx512_bf16" in INSTRUCTION_SETS:
+                LANES_ROW_TOKENS = 64
     use_backend("cpp")
     return True
 
