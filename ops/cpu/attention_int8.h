@@ -62,13 +62,6 @@ PAGEDSERVE_INLINE __m512i dot_u8s8(__m512i acc, __m512i u, __m512i v) {
   return acc;
 }
 
-// The 32-bit word at p in every lane.
-PAGEDSERVE_INLINE __m512i broadcast_word(const void* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof word);
-  return _mm512_set1_epi32(word);
-}
-
 // What the keys' unsigned bytes are read with added: q8_0's int8 as v + 128, q4_0's nibbles as they are.
 template <class C>
 constexpr int32_t kOffset = kQ8<C> ? 128 : 8;

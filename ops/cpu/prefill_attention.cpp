@@ -44,12 +44,6 @@ PAGEDSERVE_INLINE __m512 dot(__m512 acc, __m512i a, __m512i b) {
   return acc;
 }
 
-PAGEDSERVE_INLINE __m512i broadcast_pair(const void* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof word);
-  return _mm512_set1_epi32(word);
-}
-
 // Value d of the staged word j of an interleaved V pair row (Avx512Bf16::interleave: per 32 values, lo holds
 // d = 8L + 0..3 of each group L of 8, hi d = 8L + 4..7).
 int value_of(int j) {
@@ -133,7 +127,7 @@ void attend_item(const Row& r, int64_t kh, int64_t h0, int64_t t0, Scratch& s) {
         for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
       for (int64_t i = 0; i < pairs; ++i) {
         __m512i k[C];
-        for (int c = 0; c < C; ++c) k[c] = broadcast_pair(key[c] + 2 * i);
+        for (int c = 0; c < C; ++c) k[c] = broadcast_word(key[c] + 2 * i);
         for (int g = 0; g < G; ++g) {
           const __m512i q = _mm512_load_si512(&s.q[(g * pairs + i) * kLanes]);
           for (int c = 0; c < C; ++c) acc[g][c] = dot(acc[g][c], q, k[c]);
@@ -180,7 +174,7 @@ void attend_item(const Row& r, int64_t kh, int64_t h0, int64_t t0, Scratch& s) {
           acc[g][c] = _mm512_mul_ps(_mm512_load_ps(&s.acc[(g * D + j0 + c) * kLanes]), corr[g]);
       for (int pr = 0; pr < padded / 2; ++pr) {
         __m512i val[V];
-        for (int c = 0; c < V; ++c) val[c] = _mm512_set1_epi32(static_cast<int32_t>(s.v[pr * D + j0 + c]));
+        for (int c = 0; c < V; ++c) val[c] = broadcast_word(&s.v[pr * D + j0 + c]);
         for (int g = 0; g < G; ++g) {
           const __m512i w = _mm512_load_si512(&s.w[(g * kStep / 2 + pr) * kLanes]);
           for (int c = 0; c < V; ++c) acc[g][c] = dot(acc[g][c], w, val[c]);

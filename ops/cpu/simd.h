@@ -235,6 +235,14 @@ struct Avx512 {
   }
   PAGEDSERVE_INLINE static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 };
+
+// The 32-bit word at p in every lane: the operand a dot-product instruction's 16 lanes share (4 int8 query
+// values or weights, a pair of bf16 values).
+PAGEDSERVE_INLINE __m512i broadcast_word(const void* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof word);
+  return _mm512_set1_epi32(word);
+}
 #endif
 
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
