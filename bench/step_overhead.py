@@ -89,7 +89,7 @@ def main(argv: list[str]) -> None:
         from roofline import measure_bandwidth_gb_s
         args.bandwidth_gbs = measure_bandwidth_gb_s()
     sys.path.insert(0, str(args.checkout.resolve()))
-    from engine.config import parse_value
+    from engine.config_file import parse_value
     engine = {k: parse_value(k, v) for k, v in (kv.split("=", 1) for kv in args.engine)}
     results = []
     for streams in args.streams:

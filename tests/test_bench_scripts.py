@@ -3,6 +3,8 @@ them, so a function that moves breaks them silently: bench/faults.py could not s
 because it imported set_in_file from engine.config after that moved to engine.config_file."""
 from __future__ import annotations
 
+import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +34,19 @@ def test_every_bench_script_imports():
     done = subprocess.run([sys.executable, "-c", IMPORT_ALL, str(ROOT), *scripts],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
+
+
+def test_every_project_name_the_bench_scripts_import_inside_functions_exists():
+    """Imports inside functions run only when that code does: bench/step_overhead.py imported parse_value
+    from engine.config after it moved to engine.config_file, and failed only when run."""
+    project = {"engine", "ops", "server", "console"}
+    missing = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in project:
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    if not hasattr(module, alias.name) and importlib.util.find_spec(
+                            f"{node.module}.{alias.name}") is None:
+                        missing.append(f"{path.name}:{node.lineno} {node.module}.{alias.name}")
+    assert not missing
