@@ -93,5 +93,6 @@ def main(argv: list[str]) -> None:
                       + f" (kernel / sdpa {ms['kernel'] / ms['sdpa']:.2f}x"
                       + (f", kernel / lanes {ms['kernel'] / ms['lanes']:.2f}x)" if "lanes" in ms else ")"), flush=True)
 
+
 if __name__ == "__main__":
     main(sys.argv[1:])

@@ -63,7 +63,7 @@ QUANT_SDPA_TOKENS = 2**31 - 1
 DENSE_ROWS = 2**31 - 1
 # Rows of more than this many new tokens, bf16 queries over a bf16 cache, go to prefill_attention.cpp, where
 # install() finds AVX-512 BF16 but no AMX (which takes them to SDPA, above): it puts 16 tokens in a vector
-# and needs no folds, where the kernel folds every position's products across the lanes of one token's.
+# and needs no folds, where the kernel, a token at a time, folds every position's products across its lanes.
 # Verify rows (fewer tokens) keep the kernel's bits.
 LANES_ROW_TOKENS = 2**31 - 1
 
@@ -90,10 +90,12 @@ def cpp_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, query_start
         _check_lengths(starts, ctx, q.shape[0], block_tables.shape[1] * k_cache.shape[1])
     for i, n_ctx in enumerate(ctx):
         n = starts[i + 1] - starts[i]
-        if n > row_tokens and lanes and n > LANES_ROW_TOKENS:
+        if n <= row_tokens:
+            continue
+        if lanes and n > LANES_ROW_TOKENS:      # 16 tokens to a vector (see LANES_ROW_TOKENS)
             out[starts[i]:starts[i] + n] = _lib.prefill_attention(q[starts[i]:starts[i] + n].contiguous(), k_cache,
                                                                   v_cache, block_tables[i], n_ctx, scale)
-        elif n > row_tokens:   # longer rows: torch's flash-attention SDPA (see KERNEL_ROW_TOKENS)
+        else:                                   # torch's flash-attention SDPA (see KERNEL_ROW_TOKENS)
             _prefill_row(out, q, k_cache, v_cache, starts[i], n, n_ctx, block_tables[i], scale, cpp_gather_kv)
     return out
 
