@@ -21,8 +21,9 @@ def _one_row(q, kc, vc, qsl, ctx, tables, i):
     return ops.cpu._lib.prefill_attention(q[start:end].contiguous(), kc, vc, tables[i], int(ctx[i]), 0.3)
 
 
-# head_dim 32-256; groups of 1-8 query heads per kv head, and 10 (two passes: 8 + 2); rows of 1 to 70
-# tokens (lanes of 16 and a ragged last one), fresh or after a prefix, odd and even positions per step.
+# head_dim 32-256; groups of 1, 6 (four keys a pass), 7 (three) and 10 query heads per kv head (two passes:
+# 8 + 2); rows of 1 to 70 tokens (lanes of 16 and a ragged last one), fresh or after a prefix, odd and even
+# positions per step.
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("group", [1, 6, 7, 10])
 @pytest.mark.parametrize("block", [16, 32])
@@ -50,8 +51,8 @@ def test_prefill_attention_refuses_what_it_cannot_read():
         ops.cpu._lib.prefill_attention(q, kc, vc, torch.tensor([0, 99, 1], dtype=torch.int32), 40, 0.3)
     with pytest.raises(RuntimeError, match="bf16 q"):
         ops.cpu._lib.prefill_attention(q.float(), kc, vc, tables[0], 40, 0.3)
+    q, kc, vc, qsl, ctx, tables = _paged([(40, 20)], 4, 2, 40, torch.bfloat16)
     with pytest.raises(RuntimeError, match="D 32, 64, 128 or 256"):
-        q, kc, vc, qsl, ctx, tables = _paged([(40, 20)], 4, 2, 40, torch.bfloat16)
         ops.cpu._lib.prefill_attention(q, kc, vc, tables[0], 40, 0.3)
 
 
