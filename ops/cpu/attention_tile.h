@@ -22,14 +22,13 @@ constexpr int kMaxGroup = 8;        // query heads per register tile; larger GQA
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // How many keys (or pairs of value vectors) one register tile of G heads takes: what fits beside the
-// G x n accumulators; keys a power of two up to W (see score_keys). AVX-512 has 32 vector registers, AVX2
-// 16 (the scalar path follows AVX2).
+// G x n accumulators, a key vector each and one query vector; keys a power of two up to W (see score_keys).
+// AVX-512 has 32 vector registers, AVX2 16 (the scalar path follows AVX2).
 template <class S>
 constexpr int kRegs = S::W == 16 ? 32 : 16;
 constexpr int floor_pow2(int n) { return n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1; }
 template <class S, int G>
-constexpr int kKeys = std::min(S::W, floor_pow2(kDotBf16<S> ? (kRegs<S> - 3) / (G + 1)      // + keys + a query
-                                                            : (kRegs<S> - 4) / (G + 2)));  // + key pairs + 2 queries
+constexpr int kKeys = std::min(S::W, floor_pow2((kRegs<S> - (kDotBf16<S> ? 3 : 1)) / (G + 1)));
 template <class S, int G>
 constexpr int kValuePairs = std::clamp((kRegs<S> - 3) / (2 * (G + 1)), 1, 4);
 
@@ -86,14 +85,24 @@ PAGEDSERVE_INLINE void score_keys(const Query<S>* q, const Elem<C>* k, int64_t s
       }
     }
   } else {
-    for (int64_t d = 0; d < dim; d += 2 * S::W) {
-      typename S::V ka[J], kb[J];
-      for (int j = 0; j < J; ++j) S::load2(keys[j] + d, ka[j], kb[j]);   // (in simd.h's `lane` order)
-      prefetch_keys<S, C>(ahead_k, ahead_v, n, stride, d);
-      for (int g = 0; g < G; ++g) {
-        const typename S::V qa = S::keep(S::load(q + g * dim + d)), qb = S::keep(S::load(q + g * dim + d + S::W));
-        for (int j = 0; j < J; ++j) acc[g][j] = S::fmadd(qb, kb[j], S::fmadd(qa, ka[j], acc[g][j]));
+    // One of load2's halves at a time (simd.h's `lane` order), so a key takes one register, not two: on AVX2
+    // a group of 6 heads then scores 2 keys a pass, not 1, and each query vector loaded serves two products.
+    const auto half = [&](int64_t d, auto second) __attribute__((always_inline)) {
+      typename S::V key[J];
+      for (int j = 0; j < J; ++j) {
+        typename S::V a, b;
+        S::load2(keys[j] + d, a, b);   // the other half's conversion is dead code once inlined; keep: as for q
+        key[j] = S::keep(second ? b : a);
       }
+      for (int g = 0; g < G; ++g) {
+        const typename S::V qv = S::keep(S::load(q + g * dim + d + (second ? S::W : 0)));
+        for (int j = 0; j < J; ++j) acc[g][j] = S::fmadd(qv, key[j], acc[g][j]);
+      }
+    };
+    for (int64_t d = 0; d < dim; d += 2 * S::W) {
+      prefetch_keys<S, C>(ahead_k, ahead_v, n, stride, d);
+      half(d, std::false_type{});
+      half(d, std::true_type{});
     }
   }
   for (int g = 0; g < G; ++g) {
