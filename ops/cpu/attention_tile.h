@@ -22,8 +22,9 @@ constexpr int kMaxGroup = 8;        // query heads per register tile; larger GQA
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // How many keys (or pairs of value vectors) one register tile of G heads takes: what fits beside the
-// G x n accumulators, a key vector each and one query vector; keys a power of two up to W (see score_keys).
-// AVX-512 has 32 vector registers, AVX2 16 (the scalar path follows AVX2).
+// G x n accumulators, a key vector each and one query vector (the dot-product set leaves two more); keys a
+// power of two up to W (see score_keys). AVX-512 has 32 vector registers, AVX2 16 (the scalar path follows
+// AVX2).
 template <class S>
 constexpr int kRegs = S::W == 16 ? 32 : 16;
 constexpr int floor_pow2(int n) { return n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1; }
