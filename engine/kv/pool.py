@@ -3,13 +3,13 @@ in the memory left after the weights and the state slots."""
 from __future__ import annotations
 
 import math
-import mmap
 from dataclasses import dataclass
 
 import psutil
 import torch
 
 from engine.errors import UserError
+from engine.huge_pages import huge_page_bytes
 from ops import kv_quant
 
 
@@ -133,24 +133,14 @@ def plan_num_blocks(shape: KVShape, *, kv_pool_tokens: int, max_concurrency: int
     return int(blocks)
 
 
-HUGE_PAGE = 2 << 20
-
-
 def lazy_zeros(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros whose CPU memory is only committed as it is first written: an anonymous mapping's pages
-    come from the OS already zero, while torch.zeros writes every byte at once. Aligned to 2 MiB and
-    marked for transparent huge pages (where the kernel has them in `madvise` mode or `always`):
-    decode attention reads blocks scattered over the whole pool, and with 4 KiB pages nearly every
-    block is a TLB miss and the hardware prefetchers stop at every page boundary."""
+    """Zeros whose CPU memory is only committed as it is first written (torch.zeros writes every byte at
+    once), in huge pages (engine/huge_pages.py): decode attention reads blocks scattered over the whole
+    pool, and with 4 KiB pages nearly every block is a TLB miss."""
     if device.type != "cpu":
         return torch.zeros(dims, dtype=dtype, device=device)
     nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(region, dtype=torch.uint8)       # keeps the mapping alive
-    start = -raw.data_ptr() % HUGE_PAGE
-    return raw[start:start + nbytes].view(dtype).view(dims)
+    return huge_page_bytes(nbytes).view(dtype).view(dims)
 
 
 class KVPool:

@@ -13,12 +13,13 @@ Q4_K q/k next to its Q6_K v); a dense part next to quantized ones is quantized t
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 
 import torch
 import torch.nn.functional as F
 
+from engine.huge_pages import HugePageArena
 from ops import direct
 from ops.quant_linear import quant_linear
 from ops.quant_rows import quant_rows
@@ -81,6 +82,21 @@ class LinearLoader:
         self.ckpt, self.dtype, self.device = ckpt, dtype, device
         self.mode, self.group_size = mode, group_size
         self.formats: Counter[str] = Counter()      # "int4 g32 asym" / "bfloat16" -> weights loaded
+        # CPU weights live in huge pages: a decode step streams every one of them (engine/huge_pages.py)
+        self._arena = HugePageArena() if device.type == "cpu" else None
+
+    def _placed(self, weight):
+        """`weight` with its tensors copied into the arena (on CPUs)."""
+        if self._arena is None:
+            return weight
+        if isinstance(weight, LinearParts):
+            return LinearParts(tuple(map(self._placed, weight.parts)))
+        if isinstance(weight, QuantizedWeight):
+            place = self._arena.place
+            return replace(weight, qweight=place(weight.qweight), scales=place(weight.scales),
+                           mins=None if weight.mins is None else place(weight.mins),
+                           supers=None if weight.supers is None else place(weight.supers))
+        return self._arena.place(weight)
 
     def keeps_dense(self, names: list[str]) -> bool:
         return self.mode == "none" or (self.mode == "auto" and not any(map(self.ckpt.is_quantized, names)))
@@ -97,15 +113,15 @@ class LinearLoader:
         if self.keeps_dense([name for name, *_ in parts]):
             dense = [w.dequantize().to(self.dtype) if isinstance(w, QuantizedWeight) else w for w in weights]
             self.formats[self._dense_format] += 1
-            return (dense[0] if len(dense) == 1 else torch.cat(dense)).to(self.device)
+            return self._placed((dense[0] if len(dense) == 1 else torch.cat(dense)).to(self.device))
         if self.mode == "auto" and all(isinstance(w, QuantizedWeight) for w in weights):
             runs = [QuantizedWeight.cat(list(run)) for _, run in groupby(weights, key=lambda w: w.bits)]
             self.formats.update(run.describe() for run in runs)
-            return runs[0] if len(runs) == 1 else LinearParts(tuple(runs))
+            return self._placed(runs[0] if len(runs) == 1 else LinearParts(tuple(runs)))
         bits = 4 if self.mode == "int4" else 8
         fused = QuantizedWeight.cat([_to_bits(w, bits, self.group_size) for w in weights])
         self.formats[fused.describe()] += 1
-        return fused
+        return self._placed(fused)
 
     def assemble(self, parts: list[tuple]):
         """A hybrid layer's weight from `parts` as `load` takes them: stored quantized (a GGUF's group form),
@@ -122,7 +138,7 @@ class LinearLoader:
         table = "model.embed_tokens.weight"
         head = table if tied else "lm_head.weight"
         if tied and self.keeps_dense([head]):
-            embed = self.ckpt.get(table, (vocab, hidden), self.dtype).to(self.device)
+            embed = self._placed(self.ckpt.get(table, (vocab, hidden), self.dtype).to(self.device))
             return embed, embed                                 # one copy serves both
         if tied and self.keeps_stored(head):
             embed = self.load([(head, vocab, hidden)])
@@ -139,9 +155,9 @@ class LinearLoader:
         if self.mode in ("int8", "int4") and dense.shape[-1] % self.group_size == 0:
             weight = _to_bits(dense, 8 if self.mode == "int8" else 4, self.group_size)
             self.formats[weight.describe()] += 1
-            return weight
+            return self._placed(weight)
         self.formats[self._dense_format] += 1
-        return dense
+        return self._placed(dense)
 
     @property
     def _dense_format(self) -> str:
