@@ -11,7 +11,8 @@ import torch
 from engine.huge_pages import ALIGN, HUGE_PAGE, HugePageArena
 from engine.kv.pool import lazy_zeros
 from engine.models.linear import LinearLoader, LinearParts
-from ops.quant_weight import QuantizedWeight, quantize_int4
+from ops.quant_weight import quantize_int4
+from tiny_models import StoredWeights
 
 CPU = torch.device("cpu")
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
@@ -57,24 +58,11 @@ def test_a_tensor_larger_than_a_region_gets_its_own():
     assert len({small.data_ptr() // HUGE_PAGE, big.data_ptr() // HUGE_PAGE, after.data_ptr() // HUGE_PAGE}) == 3
 
 
-class _Stored:
-    """What LinearLoader reads of a checkpoint, over weights given per name."""
-
-    def __init__(self, weights: dict):
-        self.weights = weights
-
-    def is_quantized(self, name: str) -> bool:
-        return isinstance(self.weights[name], QuantizedWeight)
-
-    def get_linear(self, name: str, shape, dtype):
-        return self.weights[name]
-
-
 @pytest.mark.parametrize("mode", ["auto", "none"])
 def test_cpu_weights_and_the_pool_lie_in_huge_page_mappings(mode):
     g = torch.Generator().manual_seed(1)
     stored = quantize_int4(torch.randn(64, 256, generator=g))
-    loader = LinearLoader(_Stored({"w": stored}), torch.float32, CPU, mode)
+    loader = LinearLoader(StoredWeights({"w": stored}), torch.float32, CPU, mode)
     weight = loader.load([("w", 64, 256)])
     tensors = [weight] if mode == "none" else [weight.qweight, weight.scales, weight.mins, weight.supers]
     if mode == "auto":

@@ -25,7 +25,7 @@ import engine.loading.gguf as gguf_module
 from engine.loading.gguf import gguf_to_hf_dir
 from engine.loading.gguf_tensors import tensor_plan
 from gguf_writer import write_gguf
-from tiny_models import whole_prompt_batch
+from tiny_models import StoredWeights, whole_prompt_batch
 from ops.quant_linear import quant_linear
 from ops.quant_weight import QuantizedWeight, quantize_int4, quantize_int8
 from test_gguf import SHARED, SHARED_FILES
@@ -152,19 +152,6 @@ def _check_close_to_dense(model: str, record_property, label: str, mode: str = "
     assert error < 0.05 and top1 >= 0.9, f"{label}: logit error {error:.4f}, top-1 agreement {top1:.3f}"
 
 
-class _StoredWeights:
-    """The part of a Checkpoint that LinearLoader reads, over weights given per name."""
-
-    def __init__(self, weights: dict):
-        self.weights = weights
-
-    def is_quantized(self, name: str) -> bool:
-        return isinstance(self.weights[name], QuantizedWeight)
-
-    def get_linear(self, name: str, shape, dtype):
-        return self.weights[name]
-
-
 def test_auto_keeps_each_stored_format_in_fused_layers():
     """Q4_K_M's pattern: attn_q/attn_k Q4_K fused with a Q6_K attn_v, ffn_down Q6_K alone. Each run of
     parts in one format is one weight, every weight exactly as stored; a dense part next to quantized
@@ -175,7 +162,7 @@ def test_auto_keeps_each_stored_format_in_fused_layers():
     scales6 = torch.randint(-128, 128, (16, 16), generator=g, dtype=torch.int8)
     int6 = QuantizedWeight.from_groups(q6, scales6, None, 6, torch.full((16, 1, 1), 1e-3))
     dense = torch.randn(16, 256, generator=g)
-    loader = LinearLoader(_StoredWeights({"q": int4[0], "k": int4[1], "v": int6, "down": int6, "dense": dense}),
+    loader = LinearLoader(StoredWeights({"q": int4[0], "k": int4[1], "v": int6, "down": int6, "dense": dense}),
                           torch.float32, torch.device("cpu"), "auto")
     qkv = loader.load([("q", 16, 256), ("k", 16, 256), ("v", 16, 256)])
     assert isinstance(qkv, LinearParts) and [p.bits for p in qkv.parts] == [4, 6]

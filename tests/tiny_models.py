@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ops.quant_weight import QuantizedWeight
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB = 500
 
@@ -319,3 +321,16 @@ def whole_prompt_batch(ids, first_block: int = 1, block_size: int = 16):
         block_tables=torch.arange(first_block, first_block + blocks, dtype=torch.int32)[None],
         query_start_loc=torch.tensor([0, t], dtype=torch.int32),
         context_lens=torch.tensor([t], dtype=torch.int32), logits_indices=torch.arange(t))
+
+
+class StoredWeights:
+    """The part of a Checkpoint that LinearLoader reads, over weights given per name."""
+
+    def __init__(self, weights: dict):
+        self.weights = weights
+
+    def is_quantized(self, name: str) -> bool:
+        return isinstance(self.weights[name], QuantizedWeight)
+
+    def get_linear(self, name: str, shape, dtype):
+        return self.weights[name]
