@@ -17,6 +17,25 @@ from engine.contracts import PlanRow
 from engine.models.batch import on_device
 
 _MASK64 = (1 << 63) - 1
+ARGMAX_CHUNK = 128
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)`: the first index of the largest value, NaN counting as the largest, as torch has it.
+    On CPUs in two vectorized passes, each chunk's maximum and then the first chunk's argmax: torch's own
+    CPU argmax takes values one at a time (130 us for a 151,936-token row against 8 us for its amax)."""
+    n = x.shape[-1]
+    if x.device.type != "cpu" or n < 2 * ARGMAX_CHUNK:
+        return x.argmax(-1)
+    rows = x.reshape(-1, n)
+    full = n - n % ARGMAX_CHUNK
+    maxima = rows[:, :full].view(len(rows), -1, ARGMAX_CHUNK).amax(-1)
+    if full < n:
+        maxima = torch.cat([maxima, rows[:, full:].amax(-1, keepdim=True)], dim=1)
+    start = maxima.argmax(-1) * ARGMAX_CHUNK
+    # the last chunk may be short: its window repeats the last value, which can only tie after it
+    window = (start[:, None] + torch.arange(ARGMAX_CHUNK)).clamp_(max=n - 1)
+    return (start + rows.gather(1, window).argmax(-1)).view(x.shape[:-1])
 
 
 @dataclass
@@ -101,7 +120,7 @@ def _draw(probs: torch.Tensor, row: PlanRow, index: int, generator: torch.Genera
         generator = torch.Generator(device=probs.device)
         generator.manual_seed((row.sampling.seed * 1_000_003 + index) & _MASK64)
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax()
+    return argmax(probs / noise)
 
 
 @dataclass
@@ -152,7 +171,7 @@ def draw(logits: torch.Tensor, rows: list[PlanRow], generator: torch.Generator |
         if row.sampling.shaped or row.banned_token_ids or row.allowed is not None:
             for j in span:      # a verify row is never penalised, banned or masked: bias alone applies
                 _shape(logits[j], row, count)
-    tokens = logits.argmax(dim=-1)          # the greedy draws; the other rows' are replaced below
+    tokens = argmax(logits)                 # the greedy draws; the other rows' are replaced below
     for row, span in zip(rows, spans):
         if not row.sampling.greedy:
             for d, j in enumerate(span):
