@@ -23,7 +23,7 @@ ARGMAX_CHUNK = 128
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)`: the first index of the largest value, NaN counting as the largest, as torch has it.
     On CPUs in two vectorized passes, each chunk's maximum and then the first chunk's argmax: torch's own
-    CPU argmax takes values one at a time (130 us for a 151,936-token row against 8 us for its amax)."""
+    CPU argmax takes the values one at a time, many times slower than its amax over a vocabulary."""
     n = x.shape[-1]
     if x.device.type != "cpu" or n < 2 * ARGMAX_CHUNK:
         return x.argmax(-1)

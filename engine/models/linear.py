@@ -89,14 +89,14 @@ class LinearLoader:
         """`weight` with its tensors copied into the arena (on CPUs)."""
         if self._arena is None:
             return weight
+        place = self._arena.place
         if isinstance(weight, LinearParts):
             return LinearParts(tuple(map(self._placed, weight.parts)))
         if isinstance(weight, QuantizedWeight):
-            place = self._arena.place
             return replace(weight, qweight=place(weight.qweight), scales=place(weight.scales),
                            mins=None if weight.mins is None else place(weight.mins),
                            supers=None if weight.supers is None else place(weight.supers))
-        return self._arena.place(weight)
+        return place(weight)
 
     def keeps_dense(self, names: list[str]) -> bool:
         return self.mode == "none" or (self.mode == "auto" and not any(map(self.ckpt.is_quantized, names)))
